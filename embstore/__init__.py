@@ -1,0 +1,1 @@
+"""embstore: a tiered embedding store for recommendation models."""

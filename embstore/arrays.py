@@ -1,0 +1,81 @@
+"""Array type aliases and the validation every public entry point shares.
+
+A jagged batch of bags, as ``lookup_pooled`` takes it::
+
+    ids     = [ 7, 3, 3,  9, 1 ]       (int64, every bag's ids back to back)
+    offsets = [ 0,       3, 3,    5 ]  (int64, num_bags + 1 entries)
+               bag 0: [7, 3, 3]  bag 1: []  bag 2: [9, 1]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from embstore.errors import InvalidInputError, InvalidOffsetsError, InvalidRowsError
+
+Ids = npt.NDArray[np.int64]  # (n,) row or raw ids
+Mask = npt.NDArray[np.bool_]  # (n,) found / present
+RowBytes = npt.NDArray[np.uint8]  # (n, row_bytes) encoded rows as a tier stores them
+Rows = npt.NDArray[np.float32]  # (n, dim) decoded rows
+Offsets = npt.NDArray[np.int64]  # (num_bags + 1,)
+
+
+def _to_numpy(x: Any, what: str) -> tuple[np.ndarray, bool]:
+    """(array, was_torch). Accepts numpy arrays and torch tensors only."""
+    if isinstance(x, np.ndarray):
+        return x, False
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy(), True
+    raise InvalidInputError(f"{what} must be a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
+
+
+def as_ids(ids: Any, what: str = "ids") -> tuple[Ids, bool]:
+    """Validate a 1-D int64 id array; returns (contiguous int64 numpy array, was_torch)."""
+    arr, was_torch = _to_numpy(ids, what)
+    if arr.ndim != 1:
+        raise InvalidInputError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype != np.int64:
+        if arr.dtype.kind in "iu" and arr.size == 0:
+            arr = arr.astype(np.int64)
+        else:
+            raise InvalidInputError(f"{what} must have dtype int64, got {arr.dtype}")
+    return np.ascontiguousarray(arr), was_torch
+
+
+def as_offsets(offsets: Any, num_ids: int) -> Offsets:
+    """Validate bag offsets against ``num_ids`` (see the drawing above)."""
+    arr, _ = _to_numpy(offsets, "offsets")
+    if arr.ndim != 1 or arr.dtype != np.int64:
+        raise InvalidOffsetsError(f"offsets must be a 1-D int64 array, got {arr.dtype} of shape {arr.shape}")
+    if len(arr) < 1:
+        raise InvalidOffsetsError("offsets needs num_bags + 1 entries (at least [0])")
+    if arr[0] != 0:
+        raise InvalidOffsetsError(f"offsets[0] must be 0, got {int(arr[0])}")
+    if arr[-1] != num_ids:
+        raise InvalidOffsetsError(f"offsets[-1] must equal len(ids) = {num_ids}, got {int(arr[-1])}")
+    if len(arr) > 1 and np.any(np.diff(arr) < 0):
+        i = int(np.argmax(np.diff(arr) < 0))
+        raise InvalidOffsetsError(f"offsets must be non-decreasing; offsets[{i}] = {int(arr[i])} > "
+                                  f"offsets[{i + 1}] = {int(arr[i + 1])}")
+    return np.ascontiguousarray(arr)
+
+
+def as_rows(rows: Any, n: int, dim: int) -> tuple[Rows, bool]:
+    """Validate float rows of shape (n, dim): float32 (float16/float64 accepted), all finite."""
+    arr, was_torch = _to_numpy(rows, "rows")
+    if arr.ndim != 2 or arr.shape != (n, dim):
+        raise InvalidRowsError(f"rows must have shape ({n}, {dim}), got {tuple(arr.shape)}")
+    if arr.dtype.kind != "f":
+        raise InvalidRowsError(f"rows must be floating point (float32), got {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if arr.size and not np.isfinite(arr).all():
+        bad = int(np.argwhere(~np.isfinite(arr))[0][0])
+        raise InvalidRowsError(f"rows must be finite; row {bad} holds NaN or inf")
+    return arr, was_torch

@@ -1,0 +1,494 @@
+"""Cache directories: which row sits in which slot, and which row leaves next.
+
+One numba kernel serves both the store's cache tiers and the trace simulator,
+so what ``embstore replay`` predicts is what the store does. A directory maps
+keys (int64 row ids >= 0) to slots ``[0, capacity)`` with a linear-probing hash
+index, and keeps one policy's bookkeeping per slot:
+
+- ``lru``   a doubly linked recency list over slots (O(1) per access);
+- ``lfu``   O(1) LFU: frequency buckets, each a recency list; the victim is the
+            least recently used row among the least frequently used;
+- ``clock`` one reference bit per slot and a hand (second chance);
+- ``+tinylfu`` an admission filter: a 4-row count-min sketch of 4-bit counters,
+            halved every ``10 * capacity`` increments; a missing row is only
+            admitted when its estimate beats the victim's.
+
+``access(keys)`` processes a batch's unique keys one after another, exactly as
+a per-access cache would (the reference implementations in the tests are ten
+lines each), and reports for every key the slot to read or fill, whether it was
+a hit, and which rows resident *before* the batch were evicted (their slots
+still hold their bytes until the caller overwrites them). A key inserted and
+evicted again within one batch (batches larger than the cache) gets slot -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from embstore.arrays import Ids
+from embstore.config import PolicyKind, PolicySpec
+
+EMPTY = -1
+LRU, LFU, CLOCK = 0, 1, 2
+_KIND_CODE = {PolicyKind.LRU: LRU, PolicyKind.LFU: LFU, PolicyKind.CLOCK: CLOCK}
+
+# meta slots
+M_NFREE, M_HEAD, M_TAIL, M_BMIN, M_NBFREE, M_HAND, M_EPOCH, M_SKADDS, M_SKSAMPLE = range(9)
+
+_SK_SEEDS = np.array([0x243F6A8885A308D3, 0x13198A2E03707344, 0x2AC2E2B1C9C9A5F1, 0x6A09E667F3BCC908],
+                     dtype=np.uint64)
+
+
+@numba.njit(cache=True, inline="always")
+def mix64(x: np.uint64) -> np.uint64:
+    """splitmix64 finaliser: a strong 64-bit mix for hash-table probing."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+# --- hash index: int64 key -> int32 slot, linear probing, backward-shift delete ---
+
+@numba.njit(cache=True, inline="always")
+def idx_get(tk, tv, key):
+    mask = len(tk) - 1
+    i = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
+    while True:
+        k = tk[i]
+        if k == key:
+            return np.int64(tv[i])
+        if k == EMPTY:
+            return np.int64(-1)
+        i = (i + 1) & mask
+
+
+@numba.njit(cache=True, inline="always")
+def idx_put(tk, tv, key, val):
+    mask = len(tk) - 1
+    i = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
+    while tk[i] != EMPTY and tk[i] != key:
+        i = (i + 1) & mask
+    tk[i] = key
+    tv[i] = val
+
+
+@numba.njit(cache=True)
+def idx_del(tk, tv, key):
+    mask = len(tk) - 1
+    i = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
+    while tk[i] != key:
+        if tk[i] == EMPTY:
+            return
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if tk[j] == EMPTY:
+            break
+        h = np.int64(mix64(np.uint64(tk[j])) & np.uint64(mask))
+        if i <= j:
+            stays = i < h <= j
+        else:
+            stays = h > i or h <= j
+        if not stays:
+            tk[i] = tk[j]
+            tv[i] = tv[j]
+            i = j
+    tk[i] = EMPTY
+
+
+# --- LRU list / LFU buckets / CLOCK bits ---
+
+@numba.njit(cache=True, inline="always")
+def _list_unlink(s, prev, nxt, head_tail, hi, ti):
+    p = prev[s]
+    n = nxt[s]
+    if p >= 0:
+        nxt[p] = n
+    else:
+        head_tail[hi] = n
+    if n >= 0:
+        prev[n] = p
+    else:
+        head_tail[ti] = p
+
+
+@numba.njit(cache=True, inline="always")
+def _list_append(s, prev, nxt, head_tail, hi, ti):
+    t = head_tail[ti]
+    prev[s] = t
+    nxt[s] = -1
+    if t >= 0:
+        nxt[t] = s
+    else:
+        head_tail[hi] = s
+    head_tail[ti] = s
+
+
+@numba.njit(cache=True)
+def _lfu_new_bucket(freq, after, bfreq, bht, bprev, bnext, bfree, meta):
+    meta[M_NBFREE] -= 1
+    b = bfree[meta[M_NBFREE]]
+    bfreq[b] = freq
+    bht[b, 0] = -1
+    bht[b, 1] = -1
+    if after < 0:
+        bprev[b] = -1
+        bnext[b] = meta[M_BMIN]
+        if meta[M_BMIN] >= 0:
+            bprev[meta[M_BMIN]] = b
+        meta[M_BMIN] = b
+    else:
+        bprev[b] = after
+        bnext[b] = bnext[after]
+        if bnext[after] >= 0:
+            bprev[bnext[after]] = b
+        bnext[after] = b
+    return b
+
+
+@numba.njit(cache=True)
+def _lfu_drop_bucket_if_empty(b, bht, bprev, bnext, bfree, meta):
+    if bht[b, 0] >= 0:
+        return
+    p = bprev[b]
+    n = bnext[b]
+    if p >= 0:
+        bnext[p] = n
+    else:
+        meta[M_BMIN] = n
+    if n >= 0:
+        bprev[n] = p
+    bfree[meta[M_NBFREE]] = b
+    meta[M_NBFREE] += 1
+
+
+@numba.njit(cache=True)
+def _policy_hit(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
+    if kind == LRU:
+        _list_unlink(s, prev, nxt, meta, M_HEAD, M_TAIL)
+        _list_append(s, prev, nxt, meta, M_HEAD, M_TAIL)
+    elif kind == LFU:
+        b = sbucket[s]
+        nb = bnext[b]
+        if nb < 0 or bfreq[nb] != bfreq[b] + 1:
+            nb = _lfu_new_bucket(bfreq[b] + 1, b, bfreq, bht, bprev, bnext, bfree, meta)
+        _list_unlink(s, prev, nxt, bht[b], 0, 1)
+        _list_append(s, prev, nxt, bht[nb], 0, 1)
+        sbucket[s] = nb
+        _lfu_drop_bucket_if_empty(b, bht, bprev, bnext, bfree, meta)
+    else:
+        ref[s] = 1
+
+
+@numba.njit(cache=True)
+def _policy_insert(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
+    if kind == LRU:
+        _list_append(s, prev, nxt, meta, M_HEAD, M_TAIL)
+    elif kind == LFU:
+        b = meta[M_BMIN]
+        if b < 0 or bfreq[b] != 1:
+            b = _lfu_new_bucket(1, -1, bfreq, bht, bprev, bnext, bfree, meta)
+        _list_append(s, prev, nxt, bht[b], 0, 1)
+        sbucket[s] = b
+    else:
+        ref[s] = 0
+
+
+@numba.njit(cache=True)
+def _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
+    if kind == LRU:
+        _list_unlink(s, prev, nxt, meta, M_HEAD, M_TAIL)
+    elif kind == LFU:
+        b = sbucket[s]
+        _list_unlink(s, prev, nxt, bht[b], 0, 1)
+        _lfu_drop_bucket_if_empty(b, bht, bprev, bnext, bfree, meta)
+    else:
+        ref[s] = 0
+
+
+@numba.njit(cache=True)
+def _policy_victim(kind, capacity, bht, ref, meta):
+    if kind == LRU:
+        return meta[M_HEAD]
+    if kind == LFU:
+        return bht[meta[M_BMIN], 0]
+    while True:
+        s = meta[M_HAND]
+        meta[M_HAND] = (s + 1) % capacity
+        if ref[s]:
+            ref[s] = 0
+        else:
+            return s
+
+
+@numba.njit(cache=True)
+def _sketch_add(sk, key, meta):
+    mask = np.uint64(sk.shape[1] - 1)
+    for r in range(4):
+        h = np.int64(mix64(np.uint64(key) ^ _SK_SEEDS[r]) & mask)
+        if sk[r, h] < 15:
+            sk[r, h] += 1
+    meta[M_SKADDS] += 1
+    if meta[M_SKADDS] >= meta[M_SKSAMPLE]:
+        for r in range(4):
+            for h in range(sk.shape[1]):
+                sk[r, h] >>= 1
+        meta[M_SKADDS] //= 2
+
+
+@numba.njit(cache=True)
+def _sketch_estimate(sk, key):
+    mask = np.uint64(sk.shape[1] - 1)
+    est = 255
+    for r in range(4):
+        h = np.int64(mix64(np.uint64(key) ^ _SK_SEEDS[r]) & mask)
+        est = min(est, np.int64(sk[r, h]))
+    return est
+
+
+@numba.njit(cache=True)
+def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoch, slot_pos,
+                   prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
+                   out_slot, out_hit, ev_keys, ev_slots):
+    """Process ``keys`` in order. Returns (evicted, hits, rejected)."""
+    meta[M_EPOCH] += 1
+    epoch = meta[M_EPOCH]
+    nev = 0
+    nhit = 0
+    nrej = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        if tiny:
+            _sketch_add(sk, k, meta)
+        s = idx_get(tk, tv, k)
+        if s >= 0:
+            out_slot[i] = s
+            out_hit[i] = True
+            nhit += 1
+            _policy_hit(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+            continue
+        out_hit[i] = False
+        if meta[M_NFREE] > 0:
+            meta[M_NFREE] -= 1
+            s = free[meta[M_NFREE]]
+        else:
+            v = _policy_victim(kind, capacity, bht, ref, meta)
+            if tiny and _sketch_estimate(sk, k) <= _sketch_estimate(sk, slot_key[v]):
+                out_slot[i] = -1
+                nrej += 1
+                continue
+            old = slot_key[v]
+            idx_del(tk, tv, old)
+            _policy_remove(kind, v, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+            if slot_epoch[v] == epoch:
+                out_slot[slot_pos[v]] = -1  # inserted earlier in this batch: it never lands
+            else:
+                ev_keys[nev] = old
+                ev_slots[nev] = v
+                nev += 1
+            s = v
+        slot_key[s] = k
+        idx_put(tk, tv, k, s)
+        _policy_insert(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+        slot_epoch[s] = epoch
+        slot_pos[s] = i
+        out_slot[i] = s
+    return nev, nhit, nrej
+
+
+@numba.njit(cache=True)
+def _lookup_kernel(keys, tk, tv, out):
+    for i in range(keys.shape[0]):
+        out[i] = idx_get(tk, tv, keys[i])
+
+
+@numba.njit(cache=True)
+def _remove_kernel(keys, kind, tk, tv, slot_key, free, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
+                   ref, meta, out_slot):
+    for i in range(keys.shape[0]):
+        s = idx_get(tk, tv, keys[i])
+        out_slot[i] = s
+        if s < 0:
+            continue
+        idx_del(tk, tv, keys[i])
+        _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+        slot_key[s] = EMPTY
+        free[meta[M_NFREE]] = s
+        meta[M_NFREE] += 1
+
+
+@dataclass(frozen=True)
+class AccessResult:
+    """What one batch did to a directory; arrays are aligned with the batch's keys.
+
+    ``slots[i]``: where key i's bytes are (hit) or go (miss); -1 when the key
+    was rejected by admission or evicted again within the batch.
+    ``evicted_keys/evicted_slots``: rows resident before the batch that left;
+    their bytes are still in those slots until the caller writes new rows.
+    """
+
+    slots: np.ndarray
+    hit: np.ndarray
+    evicted_keys: np.ndarray
+    evicted_slots: np.ndarray
+    rejected: int
+
+    @property
+    def hits(self) -> int:
+        return int(self.hit.sum())
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(4, int(n - 1).bit_length())
+
+
+class CacheDirectory:
+    """A fixed-capacity key -> slot map with an eviction policy (see module doc)."""
+
+    def __init__(self, capacity: int, policy: PolicySpec | str = "lru") -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least one row, got {capacity}")
+        self.capacity = int(capacity)
+        self.policy = PolicySpec.parse(policy)
+        self._kind = _KIND_CODE[self.policy.kind]
+        c = self.capacity
+        h = _pow2_at_least(2 * c)
+        self._tk = np.full(h, EMPTY, np.int64)
+        self._tv = np.zeros(h, np.int32)
+        self.slot_key = np.full(c, EMPTY, np.int64)
+        self._free = np.arange(c - 1, -1, -1, dtype=np.int32)  # pops slot 0 first
+        self._slot_epoch = np.full(c, -1, np.int64)
+        self._slot_pos = np.zeros(c, np.int64)
+        use_lists = self._kind in (LRU, LFU)
+        self._prev = np.full(c if use_lists else 1, -1, np.int32)
+        self._nxt = np.full(c if use_lists else 1, -1, np.int32)
+        nb = c + 1 if self._kind == LFU else 1
+        self._sbucket = np.zeros(c if self._kind == LFU else 1, np.int32)
+        self._bfreq = np.zeros(nb, np.int64)
+        self._bht = np.full((nb, 2), -1, np.int64)
+        self._bprev = np.full(nb, -1, np.int32)
+        self._bnext = np.full(nb, -1, np.int32)
+        self._bfree = np.arange(nb - 1, -1, -1, dtype=np.int32)
+        self._ref = np.zeros(c if self._kind == CLOCK else 1, np.uint8)
+        self._sk = np.zeros((4, _pow2_at_least(c) if self.policy.tinylfu else 1), np.uint8)
+        self._meta = np.zeros(9, np.int64)
+        self._meta[M_NFREE] = c
+        self._meta[M_HEAD] = self._meta[M_TAIL] = self._meta[M_BMIN] = -1
+        self._meta[M_NBFREE] = nb
+        self._meta[M_SKSAMPLE] = 10 * c
+
+    @property
+    def resident(self) -> int:
+        return self.capacity - int(self._meta[M_NFREE])
+
+    def access(self, keys: Ids) -> AccessResult:
+        """Look up (and insert on miss) the unique ``keys`` in order; see module doc."""
+        n = len(keys)
+        slots = np.empty(n, np.int64)
+        hit = np.empty(n, np.bool_)
+        ev_keys = np.empty(n, np.int64)
+        ev_slots = np.empty(n, np.int64)
+        nev, _, nrej = _access_kernel(
+            np.ascontiguousarray(keys, np.int64), self._kind, self.policy.tinylfu, self.capacity,
+            self._tk, self._tv, self.slot_key, self._free, self._slot_epoch, self._slot_pos,
+            self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev, self._bnext,
+            self._bfree, self._ref, self._sk, self._meta, slots, hit, ev_keys, ev_slots)
+        return AccessResult(slots, hit, ev_keys[:nev], ev_slots[:nev], int(nrej))
+
+    def lookup(self, keys: Ids) -> np.ndarray:
+        """Slots of ``keys`` (-1 where absent) without touching the policy."""
+        out = np.empty(len(keys), np.int64)
+        _lookup_kernel(np.ascontiguousarray(keys, np.int64), self._tk, self._tv, out)
+        return out
+
+    def remove(self, keys: Ids) -> np.ndarray:
+        """Drop ``keys``; returns the slots they held (-1 where absent)."""
+        out = np.empty(len(keys), np.int64)
+        _remove_kernel(np.ascontiguousarray(keys, np.int64), self._kind, self._tk, self._tv, self.slot_key,
+                       self._free, self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev,
+                       self._bnext, self._bfree, self._ref, self._meta, out)
+        return out
+
+    def occupied_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.slot_key != EMPTY)
+
+
+class DirectDirectory:
+    """A cache that can hold the whole id space: slot == key, nothing is ever evicted.
+
+    Used when a tier's capacity covers every row of the table (fbgemm does the
+    same when a table fits): no hash probe, no policy bookkeeping.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.capacity = int(num_rows)
+        self.present = np.zeros(num_rows, np.bool_)
+        self._resident = 0
+
+    @property
+    def resident(self) -> int:
+        return self._resident
+
+    @property
+    def slot_key(self) -> np.ndarray:
+        return np.where(self.present, np.arange(self.capacity), EMPTY)
+
+    def access(self, keys: Ids) -> AccessResult:
+        hit = self.present[keys]
+        miss = keys[~hit]
+        self.present[miss] = True
+        self._resident += len(miss)
+        empty = np.empty(0, np.int64)
+        return AccessResult(keys.astype(np.int64, copy=True), hit, empty, empty, 0)
+
+    def lookup(self, keys: Ids) -> np.ndarray:
+        return np.where(self.present[keys], keys, -1)
+
+    def remove(self, keys: Ids) -> np.ndarray:
+        out = self.lookup(keys)
+        self._resident -= int((out >= 0).sum())
+        self.present[keys] = False
+        return out
+
+    def occupied_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.present)
+
+
+@numba.njit(cache=True)
+def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoch, slot_pos,
+                     prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, hit_out):
+    nb = batch_offsets.shape[0] - 1
+    max_b = 0
+    for b in range(nb):
+        max_b = max(max_b, batch_offsets[b + 1] - batch_offsets[b])
+    out_slot = np.empty(max_b, np.int64)
+    ev_keys = np.empty(max_b, np.int64)
+    ev_slots = np.empty(max_b, np.int64)
+    total = 0
+    for b in range(nb):
+        lo = batch_offsets[b]
+        hi = batch_offsets[b + 1]
+        _, h, _ = _access_kernel(keys[lo:hi], kind, tiny, capacity, tk, tv, slot_key, free, slot_epoch, slot_pos,
+                                 prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
+                                 out_slot[: hi - lo], hit_out[lo:hi], ev_keys, ev_slots)
+        total += h
+    return total
+
+
+def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: PolicySpec | str = "lru") -> np.ndarray:
+    """Replay ``keys`` (unique within each batch) through a fresh directory; per-access hit mask.
+
+    The same kernel the store's cache tiers run, driven from numba over the
+    whole trace (no Python per batch).
+    """
+    d = CacheDirectory(capacity, policy)
+    keys = np.ascontiguousarray(keys, np.int64)
+    hit = np.zeros(len(keys), np.bool_)
+    _simulate_kernel(keys, np.ascontiguousarray(batch_offsets, np.int64), d._kind, d.policy.tinylfu, d.capacity,
+                     d._tk, d._tv, d.slot_key, d._free, d._slot_epoch, d._slot_pos, d._prev, d._nxt, d._sbucket,
+                     d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, hit)
+    return hit

@@ -1,0 +1,151 @@
+"""Row formats: how a table's float32 rows become the bytes tiers store.
+
+Tiers store opaque fixed-width byte rows; a :class:`RowFormat` converts at the
+table boundary, so every tier of a table holds the same encoding and lookups
+always return float32::
+
+    float32: [ dim x f32 ]                         4*dim bytes
+    float16: [ dim x f16 ]                         2*dim bytes
+    int8:    [ dim x u8 | scale f32 | bias f32 ]   dim + 8 bytes   (x = q * scale + bias)
+
+Optimizer state (training) is appended as ``state_dim`` float32 columns so one
+tier read or write moves a row and its state together.
+
+Never-written rows read as :func:`initial_rows`: a counter-based hash of
+(seed, row, column), so a fresh table is repeatable without storing anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from embstore.arrays import Ids, RowBytes, Rows
+from embstore.config import InitConfig, InitKind, RowDType
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """Encoding of one table's rows (plus optional float32 optimizer state)."""
+
+    dim: int
+    dtype: RowDType = RowDType.FLOAT32
+    state_dim: int = 0
+
+    @property
+    def embedding_bytes(self) -> int:
+        if self.dtype is RowDType.FLOAT32:
+            return 4 * self.dim
+        if self.dtype is RowDType.FLOAT16:
+            return 2 * self.dim
+        return self.dim + 8
+
+    @property
+    def row_bytes(self) -> int:
+        return self.embedding_bytes + 4 * self.state_dim
+
+    def encode(self, rows: Rows, state: np.ndarray | None = None) -> RowBytes:
+        """float32 (n, dim) [+ float32 (n, state_dim)] -> uint8 (n, row_bytes)."""
+        n = rows.shape[0]
+        out = np.empty((n, self.row_bytes), dtype=np.uint8)
+        e = self.embedding_bytes
+        if self.dtype is RowDType.FLOAT32:
+            out[:, :e] = np.ascontiguousarray(rows, dtype=np.float32).view(np.uint8).reshape(n, e)
+        elif self.dtype is RowDType.FLOAT16:
+            out[:, :e] = np.ascontiguousarray(rows, dtype=np.float16).view(np.uint8).reshape(n, e)
+        else:
+            _encode_int8(np.ascontiguousarray(rows, dtype=np.float32), out)
+        if self.state_dim:
+            st = np.zeros((n, self.state_dim), np.float32) if state is None else state
+            out[:, e:] = np.ascontiguousarray(st, dtype=np.float32).view(np.uint8).reshape(n, 4 * self.state_dim)
+        return out
+
+    def decode(self, data: RowBytes) -> Rows:
+        """uint8 (n, row_bytes) -> float32 (n, dim)."""
+        n = data.shape[0]
+        e = self.embedding_bytes
+        if self.dtype is RowDType.FLOAT32:
+            if data.flags.c_contiguous and self.state_dim == 0:
+                return data.view(np.float32).reshape(n, self.dim)
+            return np.ascontiguousarray(data[:, :e]).view(np.float32).reshape(n, self.dim)
+        if self.dtype is RowDType.FLOAT16:
+            return np.ascontiguousarray(data[:, :e]).view(np.float16).reshape(n, self.dim).astype(np.float32)
+        out = np.empty((n, self.dim), np.float32)
+        _decode_int8(np.ascontiguousarray(data), out, self.dim)
+        return out
+
+    def decode_state(self, data: RowBytes) -> np.ndarray:
+        """uint8 (n, row_bytes) -> float32 optimizer state (n, state_dim)."""
+        e = self.embedding_bytes
+        return np.ascontiguousarray(data[:, e:]).view(np.float32).reshape(data.shape[0], self.state_dim)
+
+
+@numba.njit(cache=True, nogil=True)
+def _encode_int8(rows: np.ndarray, out: np.ndarray) -> None:
+    n, dim = rows.shape
+    for i in range(n):
+        lo = rows[i, 0]
+        hi = rows[i, 0]
+        for j in range(dim):
+            v = rows[i, j]
+            lo = min(lo, v)
+            hi = max(hi, v)
+        scale = np.float32((hi - lo) / 255.0)
+        inv = np.float32(1.0 / scale) if scale > 0 else np.float32(0.0)
+        for j in range(dim):
+            q = np.float32(np.round((rows[i, j] - lo) * inv))
+            out[i, j] = np.uint8(min(max(q, 0.0), 255.0))
+        hdr = np.empty(2, np.float32)
+        hdr[0] = scale
+        hdr[1] = lo
+        b = hdr.view(np.uint8)
+        for j in range(8):
+            out[i, dim + j] = b[j]
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode_int8(data: np.ndarray, out: np.ndarray, dim: int) -> None:
+    hdr = np.empty(8, np.uint8)
+    for i in range(data.shape[0]):
+        for j in range(8):
+            hdr[j] = data[i, dim + j]
+        f = hdr.view(np.float32)
+        scale = f[0]
+        bias = f[1]
+        for j in range(dim):
+            out[i, j] = np.float32(data[i, j]) * scale + bias
+
+
+@numba.njit(cache=True, inline="always")
+def _mix64(x: np.uint64) -> np.uint64:
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _init_kernel(ids: np.ndarray, seed: np.uint64, dim: int, kind: int, scale: np.float32, out: np.ndarray) -> None:
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    for i in numba.prange(ids.shape[0]):
+        base = _mix64(np.uint64(ids[i]) * golden + seed)
+        for j in range(dim):
+            h = _mix64(base + np.uint64(j) * golden)
+            u1 = (np.float64(h >> np.uint64(11)) + 0.5) * (1.0 / 9007199254740992.0)  # (0, 1)
+            if kind == 0:  # uniform(-scale, scale)
+                out[i, j] = np.float32((2.0 * u1 - 1.0) * scale)
+            else:  # normal(0, scale) by Box-Muller on a second draw
+                h2 = _mix64(h ^ golden)
+                u2 = (np.float64(h2 >> np.uint64(11)) + 0.5) * (1.0 / 9007199254740992.0)
+                out[i, j] = np.float32(np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2) * scale)
+
+
+def initial_rows(init: InitConfig, ids: Ids, dim: int) -> Rows:
+    """The value rows ``ids`` have before anyone writes them (deterministic)."""
+    out = np.zeros((len(ids), dim), dtype=np.float32)
+    if init.kind is InitKind.ZEROS or len(ids) == 0:
+        return out
+    kind = 0 if init.kind is InitKind.UNIFORM else 1
+    _init_kernel(np.ascontiguousarray(ids, dtype=np.int64), np.uint64(init.seed), dim, kind, np.float32(init.scale), out)
+    return out

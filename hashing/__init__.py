@@ -1,0 +1,1 @@
+"""Raw id -> row mappings: hashing trick, QR trick, learned hash functions."""

@@ -1,0 +1,1 @@
+"""FastAPI lookup and inference server."""

@@ -1,0 +1,1 @@
+"""Storage tiers of a table, fastest first: device, dram, mmap, ssd, rocksdb."""

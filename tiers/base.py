@@ -1,0 +1,108 @@
+"""The tier interface: a small class over *batches* of rows, never single rows.
+
+A tier stores fixed-width rows of ``row_bytes`` bytes (the table's encoded row
+format, see :mod:`embstore.rows`) keyed by int64 row ids::
+
+    get(ids)      -> (rows uint8 (n, row_bytes), found bool (n,))   missing rows are False, not errors
+    put(ids, rows)                                                   overwrite or insert
+    delete(ids)                                                      only where supports_delete
+    contains(ids) -> found bool (n,)
+    flush()                                                          everything put so far is durable
+    close()
+
+``ids`` passed to a tier are unique within one call (the hierarchy
+deduplicates first); tiers may rely on it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, asdict
+
+import numpy as np
+
+from embstore.arrays import Ids, Mask, RowBytes
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of one tier; hits + misses = unique ids looked up in it."""
+
+    kind: str
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    resident_rows: int = 0
+    capacity_rows: int = 0
+
+    def as_dict(self) -> dict[str, int | str]:
+        return asdict(self)
+
+
+class Counters:
+    """Mutable counters a tier keeps; ``snapshot`` freezes them into TierStats."""
+
+    __slots__ = ("hits", "misses", "evictions", "bytes_read", "bytes_written")
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.evictions = self.bytes_read = self.bytes_written = 0
+
+    def snapshot(self, kind: str, resident: int, capacity: int) -> TierStats:
+        return TierStats(kind, self.hits, self.misses, self.evictions, self.bytes_read,
+                         self.bytes_written, resident, capacity)
+
+
+class Tier(abc.ABC):
+    """One storage level of a table."""
+
+    kind: str = "tier"
+    persistent: bool = False
+    supports_delete: bool = True
+    device: str = "cpu"
+
+    def __init__(self, row_bytes: int) -> None:
+        if row_bytes <= 0:
+            raise ValueError(f"row_bytes must be positive, got {row_bytes}")
+        self.row_bytes = int(row_bytes)
+        self.counters = Counters()
+        self.closed = False
+
+    @abc.abstractmethod
+    def get(self, ids: Ids) -> tuple[RowBytes, Mask]:
+        """Rows of ``ids`` (unique) and which were present; absent rows are zero bytes."""
+
+    @abc.abstractmethod
+    def put(self, ids: Ids, rows: RowBytes) -> None:
+        """Store ``rows`` (uint8, (len(ids), row_bytes)) under ``ids`` (unique)."""
+
+    @abc.abstractmethod
+    def contains(self, ids: Ids) -> Mask:
+        """Which ``ids`` are present."""
+
+    def delete(self, ids: Ids) -> None:
+        raise NotImplementedError(f"{self.kind} tier does not support delete")
+
+    def flush(self) -> None:
+        """Make everything put so far durable (no-op for volatile tiers)."""
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def resident_rows(self) -> int:
+        return 0
+
+    @property
+    def capacity_rows(self) -> int:
+        return 0
+
+    def stats(self) -> TierStats:
+        return self.counters.snapshot(self.kind, self.resident_rows, self.capacity_rows)
+
+    # helpers for subclasses -------------------------------------------------
+    def _check_rows(self, ids: Ids, rows: RowBytes) -> None:
+        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape != (len(ids), self.row_bytes):
+            raise ValueError(f"{self.kind} tier expects uint8 rows of shape ({len(ids)}, {self.row_bytes}), "
+                             f"got {rows.dtype} {rows.shape}")

@@ -1,0 +1,1 @@
+"""Training with tables larger than memory: TieredEmbeddingBagCollection, DLRM."""
