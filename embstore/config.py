@@ -336,7 +336,7 @@ class StoreConfig:
     def from_toml(cls, source: str | Path) -> "StoreConfig":
         """Parse a TOML file path (or TOML text when it contains a newline or '[')."""
         text = str(source)
-        if "\n" not in text and "[" not in text:
+        if isinstance(source, Path) or ("\n" not in text and "[" not in text):
             path = Path(text)
             try:
                 text = path.read_text()

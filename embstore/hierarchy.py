@@ -1,0 +1,119 @@
+"""A table's tiers composed into one write-back cache hierarchy.
+
+Each cache tier caches the level below it::
+
+    read(ids):  level 0 ──miss──▶ level 1 ──miss──▶ ... ──▶ home (never-written rows: initial values)
+                rows found below are promoted into every cache level they pass (subject to admission)
+    write(ids): land in level 0, dirty; rows refused by admission, or pushed out within the
+                same batch, go one level down
+    eviction:   a dirty victim is written one level down before anything reads that level
+    flush():    dirty rows cascade top to bottom, then the home makes them durable
+
+Invariant: the freshest copy of a row is in the highest level holding it (writes
+only enter at the top; a row leaves a level only by eviction, which writes it
+down when dirty). Ids given to ``read``/``write`` are unique (callers dedup).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from embstore.arrays import Ids, RowBytes
+from embstore.tiers.base import Tier, TierStats
+from embstore.tiers.cache import CacheTier
+
+
+class Hierarchy:
+    """Cache tiers over a persistent home tier."""
+
+    def __init__(self, caches: list[CacheTier], home: Tier, initial: Callable[[Ids], RowBytes]) -> None:
+        if not home.persistent:
+            raise ValueError(f"the home tier must be persistent, got {home.kind}")
+        self.caches = caches
+        self.home = home
+        self.initial = initial  # encoded initial rows for never-written ids
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [*self.caches, self.home]
+
+    def read(self, ids: Ids) -> RowBytes:
+        return self._read(0, ids)
+
+    def write(self, ids: Ids, rows: RowBytes) -> None:
+        self._write(0, ids, rows)
+
+    def _read(self, level: int, ids: Ids) -> RowBytes:
+        if len(ids) == 0:
+            return np.empty((0, self.home.row_bytes), np.uint8)
+        if level == len(self.caches):
+            rows, found = self.home.get(ids)
+            if not found.all():
+                rows[~found] = self.initial(ids[~found])
+            return rows
+        tier = self.caches[level]
+        r = tier.directory.access(ids)
+        rows = np.empty((len(ids), tier.row_bytes), np.uint8)
+        hit = r.hit
+        rows[hit] = tier.read_slots(r.slots[hit])  # before any slot is overwritten
+        self._write_back(level, tier, r.evicted_keys, r.evicted_slots)
+        miss = ~hit
+        fetched = self._read(level + 1, ids[miss])
+        rows[miss] = fetched
+        land = r.slots[miss] >= 0
+        land_slots = r.slots[miss][land]
+        tier.write_slots(land_slots, fetched[land])
+        tier.dirty[land_slots] = False
+        c = tier.counters
+        c.hits += int(hit.sum())
+        c.misses += int(miss.sum())
+        c.bytes_read += int(hit.sum()) * tier.row_bytes
+        c.bytes_written += len(land_slots) * tier.row_bytes
+        return rows
+
+    def _write(self, level: int, ids: Ids, rows: RowBytes) -> None:
+        if len(ids) == 0:
+            return
+        if level == len(self.caches):
+            self.home.put(ids, rows)
+            return
+        tier = self.caches[level]
+        r = tier.directory.access(ids)
+        self._write_back(level, tier, r.evicted_keys, r.evicted_slots)
+        stays = r.slots >= 0
+        stays[stays] &= tier.directory.slot_key[r.slots[stays]] == ids[stays]
+        slots = r.slots[stays]
+        tier.write_slots(slots, rows[stays])
+        tier.dirty[slots] = True
+        tier.counters.bytes_written += len(slots) * tier.row_bytes
+        self._write(level + 1, ids[~stays], rows[~stays])
+
+    def _write_back(self, level: int, tier: CacheTier, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Evicted rows: write the dirty ones one level down (their bytes are still in ``slots``)."""
+        if len(keys) == 0:
+            return
+        tier.counters.evictions += len(keys)
+        dirty = tier.dirty[slots]
+        tier.dirty[slots] = False
+        if dirty.any():
+            self._write(level + 1, keys[dirty], tier.read_slots(slots[dirty]))
+
+    def flush(self) -> None:
+        """Cascade every dirty row down to the home, then make the home durable."""
+        for level, tier in enumerate(self.caches):
+            slots = np.flatnonzero(tier.dirty)
+            if len(slots):
+                keys = tier.directory.slot_key[slots]
+                rows = tier.read_slots(slots)
+                tier.dirty[slots] = False
+                self._write(level + 1, keys, rows)
+        self.home.flush()
+
+    def stats(self) -> list[TierStats]:
+        return [t.stats() for t in self.tiers]
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()

@@ -1,0 +1,88 @@
+"""Vectorised building blocks of the lookup path: dedup, gather-pool.
+
+``unique_inverse`` keeps first-occurrence order (as the trace simulator's
+per-batch dedup does), so the store and ``replay`` see the same sequence.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from embstore.policies import mix64
+
+
+@numba.njit(cache=True, nogil=True)
+def _unique_inverse(ids, uniq, inverse, first):
+    n = ids.shape[0]
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    mask = size - 1
+    tk = np.full(size, -1, np.int64)
+    tv = np.empty(size, np.int64)
+    used = np.zeros(size, np.bool_)
+    nu = 0
+    for i in range(n):
+        k = ids[i]
+        h = np.int64(mix64(np.uint64(k)) & np.uint64(mask))
+        while used[h] and tk[h] != k:
+            h = (h + 1) & mask
+        if not used[h]:
+            used[h] = True
+            tk[h] = k
+            tv[h] = nu
+            uniq[nu] = k
+            first[nu] = i
+            nu += 1
+        inverse[i] = tv[h]
+    return nu
+
+
+def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique ids in first-occurrence order, inverse) with ``uniq[inverse] == ids``."""
+    uniq, inverse, _ = _unique(ids)
+    return uniq, inverse
+
+
+def unique_last(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique ids, position of each one's *last* occurrence): last write wins."""
+    n = len(ids)
+    uniq, _, first = _unique(np.ascontiguousarray(ids[::-1]))
+    return uniq, n - 1 - first
+
+
+def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ids = np.ascontiguousarray(ids, np.int64)
+    uniq = np.empty(len(ids), np.int64)
+    inverse = np.empty(len(ids), np.int64)
+    first = np.empty(len(ids), np.int64)
+    nu = _unique_inverse(ids, uniq, inverse, first)
+    return uniq[:nu], inverse, first[:nu]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _pool(rows, index, offsets, mean, out):
+    nb = offsets.shape[0] - 1
+    dim = rows.shape[1]
+    for b in numba.prange(nb):
+        lo = offsets[b]
+        hi = offsets[b + 1]
+        acc = np.zeros(dim, np.float32)
+        for j in range(lo, hi):
+            r = index[j]
+            for d in range(dim):
+                acc[d] += rows[r, d]
+        if mean and hi > lo:
+            inv = np.float32(1.0) / np.float32(hi - lo)
+            for d in range(dim):
+                acc[d] *= inv
+        out[b, :] = acc
+
+
+def pool(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
+    """Bag b = sum (or mean) of ``rows[index[offsets[b]:offsets[b+1]]]``; empty bags are zeros."""
+    out = np.empty((len(offsets) - 1, rows.shape[1]), np.float32)
+    _pool(np.ascontiguousarray(rows, np.float32), np.ascontiguousarray(index, np.int64),
+          np.ascontiguousarray(offsets, np.int64), mode == "mean", out)
+    return out

@@ -1,0 +1,192 @@
+"""The store directory: config, manifest and one folder per table.
+
+::
+
+    STORE/
+      config.toml        the tables' config (what `create` was given, normalised)
+      manifest.json      format version and per-table layout; replaced atomically
+      tables/NAME/       the table's tier files (home/, cache-N.mmap, ...)
+
+Both metadata files are written to a temporary file, fsynced and moved into
+place with ``os.replace`` (then the directory is fsynced), so a crash leaves
+either the old or the new version, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from embstore.config import HashKind, StoreConfig, TableConfig
+from embstore.errors import (ConfigError, CorruptStoreError, StoreClosedError, StoreExistsError,
+                             StoreNotFoundError, TableExistsError, UnknownTableError)
+from embstore.hierarchy import Hierarchy
+from embstore.rows import RowFormat
+from embstore.table import Table
+from embstore.tiers.factory import build_tiers
+
+log = logging.getLogger("embstore.store")
+
+FORMAT = "embstore/1"
+CONFIG_FILE = "config.toml"
+MANIFEST_FILE = "manifest.json"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves the old or the new file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    """An open store; use :func:`create` or :func:`open` rather than this constructor."""
+
+    def __init__(self, path: Path, config: StoreConfig, manifest: dict[str, Any]) -> None:
+        self.path = path
+        self.config = config
+        self._manifest = manifest
+        self.tables: dict[str, Table] = {}
+        self._closed = False
+        for cfg in config.tables:
+            self.tables[cfg.name] = self._open_table(cfg)
+
+    # --- tables --------------------------------------------------------------------
+    def _open_table(self, cfg: TableConfig) -> Table:
+        entry = self._manifest["tables"].get(cfg.name)
+        if entry is None:
+            raise CorruptStoreError(f"{self.path / MANIFEST_FILE}: table {cfg.name!r} is in the config "
+                                    "but not in the manifest")
+        mapper = None
+        if cfg.hash.kind is not HashKind.NONE:
+            from embstore.hashing import build_hash
+
+            mapper = build_hash(cfg.hash, cfg.num_embeddings, self.path)
+        dim = mapper.physical_dim(cfg.dim) if mapper is not None else cfg.dim
+        fmt = RowFormat(dim, cfg.dtype, int(entry.get("state_dim", 0)))
+        num_rows = mapper.num_rows if mapper is not None else cfg.num_embeddings
+        table_dir = self.path / entry["dir"]
+        table_dir.mkdir(parents=True, exist_ok=True)
+        caches, home = build_tiers(cfg.tiers, fmt.row_bytes, num_rows, table_dir)
+        hierarchy = Hierarchy(caches, home, lambda ids: _initial(cfg, fmt, ids))
+        return Table(cfg, fmt, hierarchy, mapper)
+
+    def __getitem__(self, name: str) -> Table:
+        self._check_open()
+        try:
+            return self.tables[name]
+        except KeyError:
+            raise UnknownTableError(name, list(self.tables)) from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tables
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tables)
+
+    def create_table(self, config: TableConfig | dict[str, Any], state_dim: int = 0) -> Table:
+        """Add a table; its config and the manifest are persisted before it is returned."""
+        self._check_open()
+        cfg = config if isinstance(config, TableConfig) else TableConfig.from_dict(config)
+        if cfg.name in self.tables:
+            raise TableExistsError(f"table {cfg.name!r} already exists in {self.path}")
+        new_config = StoreConfig((*self.config.tables, cfg))
+        manifest = json.loads(json.dumps(self._manifest))
+        manifest["tables"][cfg.name] = {"dir": f"tables/{cfg.name}", "state_dim": state_dim}
+        self._manifest = manifest
+        table = self._open_table(cfg)  # validates hash files etc. before anything is persisted
+        _write_metadata(self.path, new_config, manifest)
+        self.config = new_config
+        self.tables[cfg.name] = table
+        log.info("created table %s in %s", cfg.name, self.path)
+        return table
+
+    # --- lifecycle -------------------------------------------------------------------
+    def flush(self) -> None:
+        """Make every write acknowledged so far durable."""
+        self._check_open()
+        for t in self.tables.values():
+            t.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for t in self.tables.values():
+            t.close()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.path} is closed")
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Store {str(self.path)!r} tables={list(self.tables)}>"
+
+
+def _initial(cfg: TableConfig, fmt: RowFormat, ids: Any) -> Any:
+    from embstore.rows import initial_rows
+
+    return fmt.encode(initial_rows(cfg.init, ids, fmt.dim))
+
+
+def _write_metadata(path: Path, config: StoreConfig, manifest: dict[str, Any]) -> None:
+    atomic_write(path / CONFIG_FILE, config.to_toml().encode())
+    atomic_write(path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True).encode())
+
+
+def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> Store:
+    """Create a store at ``path`` (which must not hold one) from a config or a TOML file."""
+    p = Path(path)
+    cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_toml(os.fspath(config))
+    if (p / MANIFEST_FILE).exists() or (p / CONFIG_FILE).exists():
+        raise StoreExistsError(f"{p} already holds a store; open it with embstore.open()")
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        raise StoreExistsError(f"{p} exists and is not an empty directory")
+    p.mkdir(parents=True, exist_ok=True)
+    manifest = {"format": FORMAT, "tables": {t.name: {"dir": f"tables/{t.name}", "state_dim": 0}
+                                             for t in cfg.tables}}
+    _write_metadata(p, cfg, manifest)
+    log.info("created store %s with tables %s", p, [t.name for t in cfg.tables])
+    return Store(p, cfg, manifest)
+
+
+def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
+    """Reopen a store created by :func:`create`."""
+    p = Path(path)
+    if not (p / MANIFEST_FILE).exists():
+        raise StoreNotFoundError(f"no embstore store at {p} (missing {MANIFEST_FILE})")
+    try:
+        manifest = json.loads((p / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CorruptStoreError(f"{p / MANIFEST_FILE} cannot be read: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("tables"), dict):
+        raise CorruptStoreError(f"{p / MANIFEST_FILE} is not an {FORMAT} manifest")
+    try:
+        cfg = StoreConfig.from_toml(p / CONFIG_FILE)
+    except ConfigError as exc:
+        raise CorruptStoreError(f"{p / CONFIG_FILE} cannot be read: {exc}") from exc
+    missing = sorted(set(manifest["tables"]) - {t.name for t in cfg.tables})
+    if missing:
+        raise CorruptStoreError(f"{p / CONFIG_FILE} lacks table {missing[0]!r} listed in the manifest")
+    return Store(p, cfg, manifest)

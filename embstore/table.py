@@ -1,0 +1,171 @@
+"""A table: validation, hashing, dedup and row formats in front of a tier hierarchy.
+
+Every public call validates everything before touching a tier, so a rejected
+call changes nothing. Lookups deduplicate first (RecD's unique-then-gather):
+the tiers only ever see each row once per call, and the pooled path pools
+from the unique rows through the inverse index.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from embstore.arrays import Ids, as_ids, as_offsets, as_rows
+from embstore.config import TableConfig
+from embstore.errors import IdOutOfRangeError, InvalidInputError, StoreClosedError
+from embstore.hierarchy import Hierarchy
+from embstore.kernels import pool, unique_inverse, unique_last
+from embstore.rows import RowFormat, initial_rows
+
+POOL_MODES = ("sum", "mean")
+
+
+class Table:
+    """One embedding table of a store (see SPEC section 1)."""
+
+    def __init__(self, config: TableConfig, fmt: RowFormat, hierarchy: Hierarchy, mapper: Any | None) -> None:
+        self.config = config
+        self.format = fmt
+        self.hierarchy = hierarchy
+        self.mapper = mapper
+        self.num_rows = mapper.num_rows if mapper is not None else config.num_embeddings
+        self.device = next((t.device for t in hierarchy.caches if t.kind == "device"), "cpu")
+        self._lock = threading.RLock()
+        self._closed = False
+        self.lookups = 0  # ids looked up (before dedup)
+        self.recorder: Any | None = None  # optional access recorder (trace capture)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def dim(self) -> int:
+        return self.config.dim
+
+    # --- id handling -----------------------------------------------------------
+    def _rows_of(self, ids: Ids) -> np.ndarray:
+        """Raw ids -> physical row ids, (n,) or (n, rows_per_id) for QR."""
+        if self.mapper is not None:
+            return self.mapper(ids)
+        if len(ids):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.config.num_embeddings:
+                bad = lo if lo < 0 else hi
+                raise IdOutOfRangeError(f"table {self.name!r}: id {bad} outside [0, {self.config.num_embeddings}); "
+                                        "give the table a hash (hash = { kind = 'mod' }) to accept any id")
+        return ids
+
+    def _initial(self, rows: Ids) -> np.ndarray:
+        return self.format.encode(initial_rows(self.config.init, rows, self.format.dim))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"table {self.name!r} is closed")
+
+    def _read_unique(self, rows: np.ndarray) -> np.ndarray:
+        """Decoded float32 rows for unique physical row ids."""
+        if self.recorder is not None:
+            self.recorder(self.name, rows)
+        return self.format.decode(self.hierarchy.read(rows))
+
+    def _gather(self, ids: Ids) -> np.ndarray:
+        """float32 (n, dim) rows for raw ids (validated)."""
+        rows = self._rows_of(ids)
+        flat = rows.reshape(-1)
+        uniq, inv = unique_inverse(flat)
+        vals = self._read_unique(uniq)[inv]
+        if rows.ndim == 2:
+            vals = self.mapper.combine(vals.reshape(len(ids), rows.shape[1], -1))
+        return vals
+
+    def _out(self, arr: np.ndarray, as_torch: bool) -> Any:
+        if not as_torch:
+            return arr
+        import torch
+
+        return torch.from_numpy(arr).to(self.device)
+
+    # --- public API ----------------------------------------------------------------
+    def lookup(self, ids: Any) -> Any:
+        """Rows of ``ids``: shape (len(ids), dim), float32; numpy in -> numpy out, torch in -> torch out."""
+        arr, as_torch = as_ids(ids)
+        with self._lock:
+            self._check_open()
+            self.lookups += len(arr)
+            out = self._gather(arr) if len(arr) else np.zeros((0, self.dim), np.float32)
+        return self._out(np.ascontiguousarray(out, np.float32), as_torch)
+
+    def lookup_pooled(self, ids: Any, offsets: Any, mode: str = "sum") -> Any:
+        """Bags ``ids[offsets[b]:offsets[b+1]]`` pooled by ``mode`` ("sum" | "mean") -> (num_bags, dim)."""
+        if mode not in POOL_MODES:
+            raise InvalidInputError(f"mode must be one of {', '.join(POOL_MODES)}, got {mode!r}")
+        arr, as_torch = as_ids(ids)
+        offs = as_offsets(offsets, len(arr))
+        with self._lock:
+            self._check_open()
+            self.lookups += len(arr)
+            rows = self._rows_of(arr)
+            if rows.ndim == 2:  # QR: combine per id, then pool
+                vals = self._gather(arr)
+                out = pool(vals, np.arange(len(arr), dtype=np.int64), offs, mode)
+            else:
+                uniq, inv = unique_inverse(rows)
+                out = pool(self._read_unique(uniq), inv, offs, mode)
+        return self._out(out, as_torch)
+
+    def update(self, ids: Any, rows: Any) -> None:
+        """Overwrite rows of ``ids``; for a repeated id (or ids hashed together) the last row wins."""
+        arr, _ = as_ids(ids)
+        vals, _ = as_rows(rows, len(arr), self.dim)
+        if self.mapper is not None and self.mapper.rows_per_id != 1:
+            raise InvalidInputError(f"table {self.name!r}: rows of a QR-hashed table are combinations of two "
+                                    "shared rows and cannot be overwritten one id at a time; train it instead")
+        with self._lock:
+            self._check_open()
+            phys = self._rows_of(arr)
+            uniq, last = unique_last(phys)
+            self.hierarchy.write(uniq, self.format.encode(vals[last]))
+
+    def read_physical(self, rows: Ids) -> np.ndarray:
+        """float32 rows by physical row id (no hashing); for export and training."""
+        with self._lock:
+            self._check_open()
+            uniq, inv = unique_inverse(rows)
+            return self.format.decode(self.hierarchy.read(uniq))[inv]
+
+    def write_physical(self, rows: Ids, values: np.ndarray) -> None:
+        """Overwrite physical rows (unique ids, float32 (n, physical dim)); for import."""
+        with self._lock:
+            self._check_open()
+            self.hierarchy.write(rows, self.format.encode(values))
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier (keyed by kind, fastest first): hits, misses, evictions, bytes moved, occupancy."""
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for s in self.hierarchy.stats():
+                key = s.kind if s.kind not in out else f"{s.kind}#{sum(k.startswith(s.kind) for k in out) + 1}"
+                d = s.as_dict()
+                d.pop("kind")
+                out[key] = d
+        return out
+
+    def flush(self) -> None:
+        with self._lock:
+            self._check_open()
+            self.hierarchy.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self.hierarchy.flush()
+                self.hierarchy.close()
+                self._closed = True
+
+    def __repr__(self) -> str:
+        tiers = " > ".join(t.kind for t in self.hierarchy.tiers)
+        return f"<Table {self.name!r} {self.config.num_embeddings}x{self.dim} {self.config.dtype.value} [{tiers}]>"

@@ -1,0 +1,132 @@
+"""The write-back hierarchy against a dict model, on a simple persistent home."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from embstore.hierarchy import Hierarchy
+from embstore.kernels import pool, unique_inverse, unique_last
+from embstore.tiers.base import Tier
+from embstore.tiers.cache import DeviceTier, DRAMTier
+
+ROW = 8
+
+
+class DictHome(Tier):
+    """A persistent-by-declaration home backed by a dict: the reference model's twin."""
+
+    kind = "dicthome"
+    persistent = True
+
+    def __init__(self) -> None:
+        super().__init__(ROW)
+        self.data: dict[int, bytes] = {}
+
+    def get(self, ids):
+        rows = np.zeros((len(ids), ROW), np.uint8)
+        found = np.array([int(i) in self.data for i in ids], bool)
+        for j, i in enumerate(ids):
+            if found[j]:
+                rows[j] = np.frombuffer(self.data[int(i)], np.uint8)
+        return rows, found
+
+    def put(self, ids, rows):
+        for i, r in zip(ids, rows):
+            self.data[int(i)] = r.tobytes()
+
+    def contains(self, ids):
+        return np.array([int(i) in self.data for i in ids], bool)
+
+
+def initial(ids: np.ndarray) -> np.ndarray:
+    return np.repeat((ids % 251).astype(np.uint8)[:, None], ROW, axis=1)
+
+
+def make(policies=("lru", "lfu"), caps=(3, 6)) -> Hierarchy:
+    caches = [DeviceTier(ROW, caps[0], policies[0], num_rows=1000), DRAMTier(ROW, caps[1], policies[1], num_rows=1000)]
+    return Hierarchy(caches, DictHome(), initial)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["read", "write", "flush"]),
+                         st.lists(st.integers(0, 20), min_size=1, max_size=9, unique=True),
+                         st.integers(0, 255)), min_size=1, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.sampled_from(["lru", "lfu", "clock", "lru+tinylfu"]), st.sampled_from(["lru", "clock", "lfu+tinylfu"]))
+def test_hierarchy_matches_dict_model(seq, p0, p1) -> None:
+    h = make((p0, p1))
+    model: dict[int, np.ndarray] = {}
+    reads = 0
+    for op, ids, val in seq:
+        arr = np.array(ids, np.int64)
+        if op == "write":
+            rows = np.array([[val, i, *range(ROW - 2)] for i in ids], np.uint8)
+            h.write(arr, rows)
+            model.update({i: r for i, r in zip(ids, rows)})
+        elif op == "read":
+            got = h.read(arr)
+            want = np.stack([model.get(i, initial(np.array([i]))[0]) for i in ids])
+            np.testing.assert_array_equal(got, want)
+            reads += len(ids)
+        else:
+            h.flush()  # everything acknowledged is now in the home itself
+            assert {i: r.tobytes() for i, r in model.items()} == h.home.data
+        for t in h.caches:
+            assert t.directory.resident <= t.capacity_rows
+    top = h.caches[0].stats()
+    assert top.hits + top.misses == reads
+
+
+def test_flush_writes_everything_home() -> None:
+    h = make()
+    ids = np.arange(15, dtype=np.int64)
+    rows = np.repeat(np.arange(15, dtype=np.uint8)[:, None] + 7, ROW, axis=1)
+    h.write(ids, rows)
+    assert len(h.home.data) < 15  # most rows still only in caches
+    h.flush()
+    assert {i: np.frombuffer(b, np.uint8)[0] for i, b in h.home.data.items()} == {i: i + 7 for i in range(15)}
+    assert not any(t.dirty.any() for t in h.caches)
+
+
+def test_eviction_writes_dirty_rows_down() -> None:
+    h = Hierarchy([DRAMTier(ROW, 2, "lru", num_rows=100)], DictHome(), initial)
+    h.write(np.array([1, 2], np.int64), np.full((2, ROW), 9, np.uint8))
+    h.read(np.array([3, 4], np.int64))  # evicts 1 and 2
+    assert sorted(h.home.data) == [1, 2]
+    assert h.caches[0].stats().evictions == 2
+
+
+def test_full_capacity_tier_uses_direct_slots() -> None:
+    t = DRAMTier(ROW, 100, "lru", num_rows=50)
+    h = Hierarchy([t], DictHome(), initial)
+    ids = np.array([49, 0, 7], np.int64)
+    np.testing.assert_array_equal(h.read(ids), initial(ids))
+    assert t.directory.lookup(ids).tolist() == [49, 0, 7]
+
+
+@given(st.lists(st.integers(-5, 5), max_size=50))
+def test_unique_inverse_and_last(ids: list[int]) -> None:
+    arr = np.array(ids, np.int64)
+    u, inv = unique_inverse(arr)
+    np.testing.assert_array_equal(u[inv], arr)
+    assert len(u) == len(set(ids)) and list(u) == list(dict.fromkeys(ids))
+    u2, last = unique_last(arr)
+    assert sorted(u2.tolist()) == sorted(set(ids))
+    for k, pos in zip(u2, last):
+        assert arr[pos] == k and k not in ids[pos + 1:]
+
+
+@given(st.lists(st.integers(0, 9), max_size=40), st.data())
+def test_pool_matches_numpy(idx: list[int], data) -> None:
+    rows = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(idx)), max_size=5)))
+    offsets = np.array([0, *cuts, len(idx)], np.int64)
+    for mode in ("sum", "mean"):
+        got = pool(rows, np.array(idx, np.int64), offsets, mode)
+        for b in range(len(offsets) - 1):
+            bag = rows[idx[offsets[b]:offsets[b + 1]]]
+            want = np.zeros(4, np.float32) if len(bag) == 0 else (bag.sum(0) if mode == "sum" else bag.mean(0))
+            np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,150 @@
+"""Cache tiers: a preallocated slab of slots plus a directory that says who lives where.
+
+``device`` (a torch slab on the accelerator, or on the CPU when there is none),
+``dram`` (a numpy slab in host memory) and ``mmap`` used above the home (a
+slab in a file mapping: MTrainS's byte-addressable SCM as a cache) differ only
+in where the slab lives; slot bookkeeping, dirty bits and the eviction policy
+are shared. A tier whose capacity covers the whole table gets a
+:class:`~embstore.policies.DirectDirectory` (slot == row id, no eviction).
+
+The hierarchy drives a cache tier through ``directory.access`` plus
+``read_slots``/``write_slots`` and the ``dirty`` bits; the plain
+``get``/``put``/``contains`` of :class:`~embstore.tiers.base.Tier` are for
+direct use and the conformance tests (``put`` on a full cache evicts, so it is
+not a home).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from embstore.arrays import Ids, Mask, RowBytes
+from embstore.config import PolicySpec
+from embstore.policies import CacheDirectory, DirectDirectory
+from embstore.tiers.base import Tier
+
+
+class CacheTier(Tier):
+    """A bounded slab of rows with an eviction policy; volatile."""
+
+    persistent = False
+    supports_delete = True
+
+    def __init__(self, row_bytes: int, capacity_rows: int, policy: PolicySpec | str = "lru",
+                 num_rows: int | None = None) -> None:
+        super().__init__(row_bytes)
+        if capacity_rows < 1:
+            raise ValueError(f"a {self.kind} cache needs room for at least one row of {row_bytes} bytes")
+        full = num_rows is not None and capacity_rows >= num_rows
+        self.directory: CacheDirectory | DirectDirectory = (
+            DirectDirectory(num_rows) if full else CacheDirectory(capacity_rows, policy))
+        self.slots = self.directory.capacity
+        self.dirty = np.zeros(self.slots, np.bool_)
+
+    # slab access, implemented per storage -----------------------------------
+    def read_slots(self, slots: np.ndarray) -> RowBytes:
+        raise NotImplementedError
+
+    def write_slots(self, slots: np.ndarray, rows: RowBytes) -> None:
+        raise NotImplementedError
+
+    # Tier interface ----------------------------------------------------------
+    def get(self, ids: Ids) -> tuple[RowBytes, Mask]:
+        slots = self.directory.lookup(ids)
+        found = slots >= 0
+        rows = np.zeros((len(ids), self.row_bytes), np.uint8)
+        if found.any():
+            rows[found] = self.read_slots(slots[found])
+        self.counters.hits += int(found.sum())
+        self.counters.misses += int((~found).sum())
+        self.counters.bytes_read += int(found.sum()) * self.row_bytes
+        return rows, found
+
+    def put(self, ids: Ids, rows: RowBytes) -> None:
+        self._check_rows(ids, rows)
+        r = self.directory.access(ids)
+        landed = r.slots >= 0
+        landed[landed] &= self.directory.slot_key[r.slots[landed]] == ids[landed]
+        self.write_slots(r.slots[landed], rows[landed])
+        self.dirty[r.slots[landed]] = True
+        self.counters.evictions += len(r.evicted_keys)
+        self.counters.bytes_written += int(landed.sum()) * self.row_bytes
+
+    def contains(self, ids: Ids) -> Mask:
+        return self.directory.lookup(ids) >= 0
+
+    def delete(self, ids: Ids) -> None:
+        slots = self.directory.remove(ids)
+        self.dirty[slots[slots >= 0]] = False
+
+    @property
+    def resident_rows(self) -> int:
+        return self.directory.resident
+
+    @property
+    def capacity_rows(self) -> int:
+        return self.slots
+
+
+class DRAMTier(CacheTier):
+    """Rows in a host-memory numpy slab."""
+
+    kind = "dram"
+
+    def __init__(self, row_bytes: int, capacity_rows: int, policy: PolicySpec | str = "lru",
+                 num_rows: int | None = None) -> None:
+        super().__init__(row_bytes, capacity_rows, policy, num_rows)
+        self.slab = np.zeros((self.slots, row_bytes), np.uint8)
+
+    def read_slots(self, slots: np.ndarray) -> RowBytes:
+        return self.slab[slots]
+
+    def write_slots(self, slots: np.ndarray, rows: RowBytes) -> None:
+        self.slab[slots] = rows
+
+
+class MmapCacheTier(DRAMTier):
+    """A cache slab in a file mapping (SCM-like capacity tier above the home); rebuilt on open."""
+
+    kind = "mmap"
+
+    def __init__(self, path: str | os.PathLike, row_bytes: int, capacity_rows: int,
+                 policy: PolicySpec | str = "lru", num_rows: int | None = None) -> None:
+        CacheTier.__init__(self, row_bytes, capacity_rows, policy, num_rows)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "wb") as f:  # contents are a cache: start empty every open
+            f.truncate(self.slots * row_bytes)
+        self.slab = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(self.slots, row_bytes))
+
+    def close(self) -> None:
+        del self.slab
+        super().close()
+
+
+class DeviceTier(CacheTier):
+    """Rows in a torch tensor on the accelerator (``cuda`` when present, else the CPU)."""
+
+    kind = "device"
+
+    def __init__(self, row_bytes: int, capacity_rows: int, policy: PolicySpec | str = "lru",
+                 num_rows: int | None = None, device: str | None = None) -> None:
+        import torch
+
+        super().__init__(row_bytes, capacity_rows, policy, num_rows)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._torch = torch
+        self.slab = torch.zeros((self.slots, row_bytes), dtype=torch.uint8, device=self.device)
+
+    def read_slots(self, slots: np.ndarray) -> RowBytes:
+        t = self._torch
+        idx = t.from_numpy(np.ascontiguousarray(slots, np.int64)).to(self.device)
+        return self.slab.index_select(0, idx).cpu().numpy()
+
+    def write_slots(self, slots: np.ndarray, rows: RowBytes) -> None:
+        t = self._torch
+        idx = t.from_numpy(np.ascontiguousarray(slots, np.int64)).to(self.device)
+        self.slab.index_copy_(0, idx, t.from_numpy(np.ascontiguousarray(rows)).to(self.device))
