@@ -428,6 +428,14 @@ class DirectDirectory:
         self.capacity = int(num_rows)
         self.present = np.zeros(num_rows, np.bool_)
         self._resident = 0
+        self._stamp = np.zeros(0, np.uint32)
+        self._epoch = np.zeros(1, np.int64)
+
+    def count_resident(self, keys: Ids) -> int:
+        """Number of distinct ``keys`` if every one is resident, else -1 (no dedup array needed)."""
+        if len(self._stamp) != self.capacity:
+            self._stamp = np.zeros(self.capacity, np.uint32)
+        return int(_count_unique_present(keys, self.present, self._stamp, self._epoch))
 
     @property
     def resident(self) -> int:
@@ -456,6 +464,24 @@ class DirectDirectory:
 
     def occupied_slots(self) -> np.ndarray:
         return np.flatnonzero(self.present)
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_unique_present(keys, present, stamp, epoch):
+    epoch[0] += 1
+    if epoch[0] >= 2**32:
+        stamp[:] = 0
+        epoch[0] = 1
+    e = np.uint32(epoch[0])
+    n = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        if not present[k]:
+            return -1
+        if stamp[k] != e:
+            stamp[k] = e
+            n += 1
+    return n
 
 
 @numba.njit(cache=True)

@@ -14,6 +14,7 @@ either the old or the new version, never a torn one.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ MANIFEST_FILE = "manifest.json"
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a crash leaves the old or the new file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with builtins.open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 
 from embstore.arrays import Ids, as_ids, as_offsets, as_rows
-from embstore.config import TableConfig
+from embstore.config import RowDType, TableConfig
 from embstore.errors import IdOutOfRangeError, InvalidInputError, StoreClosedError
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import pool, unique_inverse, unique_last
+from embstore.policies import DirectDirectory
+from embstore.tiers.cache import DRAMTier
 from embstore.rows import RowFormat, initial_rows
 
 POOL_MODES = ("sum", "mean")
@@ -82,6 +84,24 @@ class Table:
             vals = self.mapper.combine(vals.reshape(len(ids), rows.shape[1], -1))
         return vals
 
+    def _resident_slab(self, rows: np.ndarray) -> np.ndarray | None:
+        """The top tier's float32 slab when it holds every one of ``rows`` (a full-table DRAM tier).
+
+        This is the fast path for DRAM-resident tables: no dedup copy, the
+        bags are pooled straight out of the slab; stats still count unique rows.
+        """
+        top = self.hierarchy.caches[0] if self.hierarchy.caches else None
+        if (top is None or not isinstance(top.directory, DirectDirectory) or not isinstance(top, DRAMTier)
+                or self.format.dtype is not RowDType.FLOAT32 or self.format.state_dim or rows.ndim != 1
+                or self.recorder is not None):
+            return None
+        n = top.directory.count_resident(rows)
+        if n < 0:
+            return None
+        top.counters.hits += n
+        top.counters.bytes_read += n * top.row_bytes
+        return top.slab.view(np.float32)
+
     def _out(self, arr: np.ndarray, as_torch: bool) -> Any:
         if not as_torch:
             return arr
@@ -96,7 +116,12 @@ class Table:
         with self._lock:
             self._check_open()
             self.lookups += len(arr)
-            out = self._gather(arr) if len(arr) else np.zeros((0, self.dim), np.float32)
+            rows = self._rows_of(arr)
+            slab = self._resident_slab(rows)
+            if slab is not None:
+                out = np.take(slab, rows, axis=0)
+            else:
+                out = self._gather(arr) if len(arr) else np.zeros((0, self.dim), np.float32)
         return self._out(np.ascontiguousarray(out, np.float32), as_torch)
 
     def lookup_pooled(self, ids: Any, offsets: Any, mode: str = "sum") -> Any:
@@ -109,7 +134,10 @@ class Table:
             self._check_open()
             self.lookups += len(arr)
             rows = self._rows_of(arr)
-            if rows.ndim == 2:  # QR: combine per id, then pool
+            slab = self._resident_slab(rows)
+            if slab is not None:
+                out = _torch_pool(slab, rows, offs, mode)
+            elif rows.ndim == 2:  # QR: combine per id, then pool
                 vals = self._gather(arr)
                 out = pool(vals, np.arange(len(arr), dtype=np.int64), offs, mode)
             else:
@@ -169,3 +197,12 @@ class Table:
     def __repr__(self) -> str:
         tiers = " > ".join(t.kind for t in self.hierarchy.tiers)
         return f"<Table {self.name!r} {self.config.num_embeddings}x{self.dim} {self.config.dtype.value} [{tiers}]>"
+
+
+def _torch_pool(slab: np.ndarray, rows: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
+    """Pool bags straight out of a resident float32 slab with torch's embedding_bag (fbgemm kernels)."""
+    import torch
+
+    out = torch.nn.functional.embedding_bag(torch.from_numpy(rows), torch.from_numpy(slab),
+                                            torch.from_numpy(offsets[:-1]), mode=mode)
+    return out.numpy()

@@ -1,0 +1,76 @@
+"""Bulk load and dump of a table's physical rows in chunks, with progress.
+
+``import_rows`` checks the whole file (shape, dtype, finiteness) before it
+writes a single row, so a bad file leaves the table unchanged. Rows land
+through the hierarchy and are flushed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from embstore.errors import InvalidInputError, InvalidRowsError
+from embstore.table import Table
+
+CHUNK_ROWS = 1 << 16
+MAX_EXPORT_ROWS = 1 << 31
+
+Progress = Callable[[int], None]
+
+
+def _open_npy(path: str | os.PathLike) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError) as exc:
+        raise InvalidInputError(f"{path}: not a readable .npy array ({exc})") from exc
+
+
+def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress: Progress | None = None) -> int:
+    """Write rows ``start ..`` of ``table`` from a (n, physical dim) float .npy file; returns n."""
+    data = _open_npy(path)
+    dim = table.format.dim
+    if data.ndim != 2 or data.shape[1] != dim:
+        raise InvalidRowsError(f"{path}: expected shape (n, {dim}) for table {table.name!r}, got {data.shape}")
+    if data.dtype.kind != "f":
+        raise InvalidRowsError(f"{path}: expected floating-point rows, got {data.dtype}")
+    n = data.shape[0]
+    if start < 0 or start + n > table.num_rows:
+        raise InvalidInputError(f"{path}: rows {start}..{start + n - 1} do not fit table {table.name!r} "
+                                f"of {table.num_rows} rows")
+    for lo in range(0, n, CHUNK_ROWS):  # validate everything before the first write
+        chunk = np.asarray(data[lo:lo + CHUNK_ROWS], dtype=np.float32)
+        if not np.isfinite(chunk).all():
+            bad = lo + int(np.argwhere(~np.isfinite(chunk))[0][0])
+            raise InvalidRowsError(f"{path}: row {bad} holds NaN or inf (or overflows float32); nothing imported")
+    for lo in range(0, n, CHUNK_ROWS):
+        chunk = np.ascontiguousarray(data[lo:lo + CHUNK_ROWS], dtype=np.float32)
+        table.write_physical(np.arange(start + lo, start + lo + len(chunk), dtype=np.int64), chunk)
+        if progress:
+            progress(len(chunk))
+    table.flush()
+    return n
+
+
+def export_rows(table: Table, path: str | os.PathLike, rows: int | None = None,
+                progress: Progress | None = None) -> int:
+    """Dump physical rows ``0 .. rows-1`` (default all) as float32 (n, physical dim) .npy; returns n."""
+    n = table.num_rows if rows is None else rows
+    if not 0 <= n <= table.num_rows:
+        raise InvalidInputError(f"rows must be in [0, {table.num_rows}], got {n}")
+    if n > MAX_EXPORT_ROWS:
+        raise InvalidInputError(f"table {table.name!r} has {n} rows; export at most {MAX_EXPORT_ROWS} (use --rows)")
+    out = np.lib.format.open_memmap(Path(path), mode="w+", dtype=np.float32, shape=(n, table.format.dim))
+    for lo in range(0, n, CHUNK_ROWS):
+        ids = np.arange(lo, min(n, lo + CHUNK_ROWS), dtype=np.int64)
+        out[lo:lo + len(ids)] = table.read_physical(ids)
+        if progress:
+            progress(len(ids))
+    out.flush()
+    del out
+    return n

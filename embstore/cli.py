@@ -1,0 +1,60 @@
+"""`embstore` command line: one verb per job, each with its own --help.
+
+Verb groups live in ``embstore/commands/``; each module exposes
+``register(subparsers)`` and sets ``func`` on its parsers. User errors
+(embstore's typed errors, missing files) print one line and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from embstore.errors import EmbstoreError
+
+COMMAND_MODULES = (
+    "embstore.commands.store_cmds",
+    "embstore.commands.trace_cmds",
+    "embstore.commands.hash_cmds",
+    "embstore.commands.bench_cmds",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="embstore",
+        description="A tiered embedding store for recommendation models: device, DRAM, mmap, "
+                    "SSD (io_uring) and RocksDB tiers with write-back caching.",
+        epilog="Run 'embstore VERB --help' for the options of a verb.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # a verb group not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose + 1, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (EmbstoreError, FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+        print(f"embstore {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"embstore {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

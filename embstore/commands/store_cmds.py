@@ -1,0 +1,94 @@
+"""Verbs that manage a store: create, import, export, stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tqdm import tqdm
+
+import embstore
+from embstore.bulk import export_rows, import_rows
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("create", help="create a store from a TOML config",
+                       description="Create a new store directory from a TOML config ([[table]] sections; "
+                                   "see the README's configuration reference).")
+    p.add_argument("store", help="directory to create (must not exist, or be empty)")
+    p.add_argument("--config", required=True, help="TOML file with the tables and their tiers")
+    p.set_defaults(func=cmd_create)
+
+    p = sub.add_parser("import", help="bulk-load rows of a table from a .npy file",
+                       description="Write rows START.. of TABLE from FILE.npy, a float array of shape "
+                                   "(n, dim). The whole file is checked (shape, dtype, NaN/inf) before any "
+                                   "row is written; the store is flushed at the end.")
+    p.add_argument("store")
+    p.add_argument("table")
+    p.add_argument("file", help=".npy file of float rows, shape (n, dim)")
+    p.add_argument("--start", type=int, default=0, help="first row id to write (default 0)")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("export", help="dump the rows of a table to a .npy file",
+                       description="Write rows 0..N-1 of TABLE (physical rows, after hashing) to FILE.npy as "
+                                   "float32, including never-written rows at their initial values.")
+    p.add_argument("store")
+    p.add_argument("table")
+    p.add_argument("file", help="output .npy file")
+    p.add_argument("--rows", type=int, default=None, help="export only the first N rows (default: all)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("stats", help="print a store's tables and per-tier statistics",
+                       description="Open the store and print each table's shape, tiers and tier statistics.")
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_stats)
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    with embstore.create(args.store, args.config) as store:
+        for t in store.tables.values():
+            print(f"created {t!r}")
+    print(f"store ready at {args.store}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    with embstore.open(args.store) as store:
+        table = store[args.table]
+        with tqdm(desc=f"import {table.name}", unit="row", unit_scale=True) as bar:
+            n = import_rows(table, args.file, start=args.start, progress=bar.update)
+    print(f"imported {n} rows into {args.table}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    with embstore.open(args.store) as store:
+        table = store[args.table]
+        total = table.num_rows if args.rows is None else args.rows
+        with tqdm(total=total, desc=f"export {table.name}", unit="row", unit_scale=True) as bar:
+            n = export_rows(table, args.file, rows=args.rows, progress=bar.update)
+    print(f"exported {n} rows of {args.table} to {args.file}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with embstore.open(args.store) as store:
+        out = {name: {"num_embeddings": t.config.num_embeddings, "dim": t.dim, "dtype": t.config.dtype.value,
+                      "tiers": t.stats()} for name, t in store.tables.items()}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for name, info in out.items():
+            print(f"{name}: {info['num_embeddings']} x {info['dim']} {info['dtype']}")
+            print(format_tier_stats(info["tiers"]))
+    return 0
+
+
+def format_tier_stats(stats: dict[str, dict[str, int]]) -> str:
+    """A small aligned table of per-tier counters."""
+    cols = ["hits", "misses", "evictions", "bytes_read", "bytes_written", "resident_rows", "capacity_rows"]
+    lines = ["  " + "tier".ljust(10) + "".join(c.rjust(15) for c in cols)]
+    for tier, s in stats.items():
+        lines.append("  " + tier.ljust(10) + "".join(str(s[c]).rjust(15) for c in cols))
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""DRAM-resident lookups against torch and numpy on the same rows, in the same run.
+
+    python tools/bench/bench_dram.py            # 8 tables x 1M rows x dim 64, batch 4096, pooling 20
+    python tools/bench/bench_dram.py --quick    # 8 tables x 100k rows
+
+Figures (each a ratio measured in this run):
+- pooled: ``Table.lookup_pooled`` vs ``torch.nn.functional.embedding_bag`` (sum) on
+  the same float32 rows, ids and offsets; uniform and Zipf(1.05) ids. Goal >= 1.0x.
+- raw: ``Table.lookup`` vs numpy fancy indexing ``weights[ids]``. Goal >= 0.8x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import embstore
+from embstore.config import StoreConfig, TableConfig, TierConfig
+
+
+def zipf_ids(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
+    """Zipf(alpha) ranks over ``rows`` ids, popularity scattered by a fixed permutation."""
+    ranks = np.arange(1, rows + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** -alpha)
+    cdf /= cdf[-1]
+    perm = np.random.default_rng(7).permutation(rows)
+    return perm[np.minimum(np.searchsorted(cdf, rng.random(n)), rows - 1)].astype(np.int64)
+
+
+def best_rate(fn, items: int, repeats: int) -> float:
+    """Items per second of the fastest of ``repeats`` runs (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return items / best
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tables", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=None)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--pooling", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    rows = args.rows or (100_000 if args.quick else 1_000_000)
+    nbytes = rows * args.dim * 4
+    rng = np.random.default_rng(0)
+    results: dict = {"rows": rows, "tables": args.tables, "torch_threads": torch.get_num_threads()}
+    with tempfile.TemporaryDirectory() as tmp:
+        tcfgs = tuple(TableConfig(f"t{i}", rows, args.dim, tiers=(TierConfig("dram", nbytes), TierConfig("mmap")))
+                      for i in range(args.tables))
+        store = embstore.create(f"{tmp}/store", StoreConfig(tcfgs))
+        weights = []
+        for i in range(args.tables):
+            w = rng.standard_normal((rows, args.dim), dtype=np.float32)
+            store[f"t{i}"].write_physical(np.arange(rows, dtype=np.int64), w)
+            weights.append(w)
+        store.flush()
+        n = args.batch * args.pooling
+        offsets = np.arange(0, n + 1, args.pooling, dtype=np.int64)
+        for dist in ("uniform", "zipf"):
+            ids = [rng.integers(0, rows, n) if dist == "uniform" else zipf_ids(rng, n, rows, 1.05)
+                   for _ in range(args.tables)]
+            tw = [torch.from_numpy(w) for w in weights]
+            tids = [torch.from_numpy(x) for x in ids]
+            toffs = torch.from_numpy(offsets[:-1])
+            tables = [store[f"t{i}"] for i in range(args.tables)]
+
+            def ours_pooled():
+                for t, x in zip(tables, ids):
+                    t.lookup_pooled(x, offsets)
+
+            def torch_pooled():
+                for w, x in zip(tw, tids):
+                    torch.nn.functional.embedding_bag(x, w, toffs, mode="sum")
+
+            def ours_raw():
+                for t, x in zip(tables, ids):
+                    t.lookup(x)
+
+            def numpy_raw():
+                for w, x in zip(weights, ids):
+                    w[x]
+
+            # correctness guard: same numbers as torch
+            got = tables[0].lookup_pooled(ids[0], offsets)
+            want = torch.nn.functional.embedding_bag(tids[0], tw[0], toffs, mode="sum").numpy()
+            assert np.allclose(got, want, rtol=1e-4, atol=1e-4)
+            items = n * args.tables
+            r = {
+                "pooled_rows_per_s": best_rate(ours_pooled, items, args.repeats),
+                "torch_pooled_rows_per_s": best_rate(torch_pooled, items, args.repeats),
+                "raw_rows_per_s": best_rate(ours_raw, items, args.repeats),
+                "numpy_raw_rows_per_s": best_rate(numpy_raw, items, args.repeats),
+            }
+            r["pooled_ratio"] = r["pooled_rows_per_s"] / r["torch_pooled_rows_per_s"]
+            r["raw_ratio"] = r["raw_rows_per_s"] / r["numpy_raw_rows_per_s"]
+            results[dist] = r
+            print(f"[{dist:7s}] pooled: embstore {r['pooled_rows_per_s'] / 1e6:6.1f} M rows/s, torch "
+                  f"{r['torch_pooled_rows_per_s'] / 1e6:6.1f} M rows/s, ratio {r['pooled_ratio']:.2f}x (goal >= 1.0)")
+            print(f"[{dist:7s}] raw:    embstore {r['raw_rows_per_s'] / 1e6:6.1f} M rows/s, numpy  "
+                  f"{r['numpy_raw_rows_per_s'] / 1e6:6.1f} M rows/s, ratio {r['raw_ratio']:.2f}x (goal >= 0.8)")
+        store.close()
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
