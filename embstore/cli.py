@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "embstore.commands.trace_cmds",
     "embstore.commands.hash_cmds",
     "embstore.commands.bench_cmds",
+    "embstore.commands.demo_cmds",
 )
 
 
