@@ -34,6 +34,9 @@ class RowFormat:
     dtype: RowDType = RowDType.FLOAT32
     state_dim: int = 0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", RowDType(self.dtype))
+
     @property
     def embedding_bytes(self) -> int:
         if self.dtype is RowDType.FLOAT32:

@@ -1,0 +1,174 @@
+"""The public Python API: namespace, config parsing, row formats, validation at the boundary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import embstore
+from embstore.config import PolicySpec, StoreConfig, TableConfig, TierConfig, parse_bytes
+from embstore.rows import RowFormat, initial_rows
+
+
+def test_public_namespace_is_pinned() -> None:
+    assert embstore.__all__ == sorted(embstore.__all__)
+    assert embstore.__all__ == [
+        "ConfigError", "CorruptStoreError", "DiskFullError", "EmbstoreError", "HashConfig", "IdOutOfRangeError",
+        "InitConfig", "InvalidInputError", "InvalidOffsetsError", "InvalidRowsError", "PolicySpec", "RowDType",
+        "Store", "StoreClosedError", "StoreConfig", "StoreError", "StoreExistsError", "StoreNotFoundError",
+        "Table", "TableConfig", "TableExistsError", "TierConfig", "TierIOError", "TierKind",
+        "UnknownTableError", "create", "open"]
+    assert issubclass(embstore.IdOutOfRangeError, ValueError)
+    assert issubclass(embstore.UnknownTableError, KeyError)
+
+
+@pytest.mark.parametrize("text,expected", [(6400, 6400), ("6400", 6400), ("64KiB", 65536),
+                                           ("256MiB", 256 << 20), ("2GiB", 2 << 30), ("1_000", 1000)])
+def test_parse_bytes(text, expected) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12 parsecs", "-5", 0, True, "GiB", 1.5])
+def test_parse_bytes_rejects(bad) -> None:
+    with pytest.raises(embstore.ConfigError, match="capacity"):
+        parse_bytes(bad)
+
+
+BASE = """
+[[table]]
+name = "t"
+num_embeddings = 100
+dim = 8
+tiers = [{ kind = "dram", capacity = "1KiB", policy = "lfu+tinylfu" }, { kind = "ssd" }]
+"""
+
+
+def test_config_round_trips_through_toml() -> None:
+    cfg = StoreConfig.from_toml(BASE)
+    t = cfg.tables[0]
+    assert t.tiers[0].policy == PolicySpec(embstore.config.PolicyKind.LFU, True)
+    assert t.tiers[0].capacity == 1024
+    assert StoreConfig.from_toml(cfg.to_toml()) == cfg
+
+
+@pytest.mark.parametrize("change,key", [
+    (("dim = 8", "dim = 8\ncolour = 1"), "table.colour"),
+    (("dim = 8", "dim = 0"), "table.dim"),
+    (("dim = 8", 'dim = 8\ndtype = "int4"'), "table.dtype"),
+    (('policy = "lfu+tinylfu"', 'policy = "fifo"'), "tiers.policy"),
+    (('{ kind = "ssd" }', '{ kind = "dram", capacity = 5 }'), "table.tiers"),
+    (('{ kind = "ssd" }', '{ kind = "ssd", capacity = 5 }'), "tiers.capacity"),
+    (('{ kind = "ssd" }', '{ kind = "ssd", queue_depth = 0 }'), "tiers.queue_depth"),
+    (('capacity = "1KiB", ', ''), "tiers.capacity"),
+    (('{ kind = "ssd" }', '{ kind = "tape" }'), "tiers.kind"),
+    (("num_embeddings = 100", "num_embeddings = 100000000000000"), "table.num_embeddings"),
+])
+def test_config_errors_name_the_key(change, key) -> None:
+    with pytest.raises(embstore.ConfigError) as err:
+        StoreConfig.from_toml(BASE.replace(*change))
+    assert err.value.key == key and key in str(err.value)
+
+
+def test_config_duplicate_names_and_bad_toml() -> None:
+    with pytest.raises(embstore.ConfigError, match="duplicate"):
+        StoreConfig.from_toml(BASE + BASE)
+    with pytest.raises(embstore.ConfigError, match="not valid TOML"):
+        StoreConfig.from_toml("[[table]\nname=")
+
+
+@given(st.integers(0, 2**40), st.sampled_from(["uniform", "normal"]))
+def test_initial_rows_are_deterministic_and_scaled(row: int, kind: str) -> None:
+    init = embstore.InitConfig(kind, 0.5, 3)
+    a = initial_rows(init, np.array([row, row + 1], np.int64), 16)
+    b = initial_rows(init, np.array([row], np.int64), 16)
+    np.testing.assert_array_equal(a[:1], b)
+    assert not np.array_equal(a[0], a[1])
+    if kind == "uniform":
+        assert np.abs(a).max() <= 0.5
+    assert not np.array_equal(a, initial_rows(embstore.InitConfig(kind, 0.5, 4), np.array([row, row + 1]), 16))
+
+
+@given(st.integers(1, 40), st.floats(-1e3, 1e3), st.floats(0, 1e3), st.integers(0, 2**31))
+def test_row_formats_round_trip(dim: int, lo: float, spread: float, seed: int) -> None:
+    x = (np.random.default_rng(seed).random((3, dim)) * spread + lo).astype(np.float32)
+    np.testing.assert_array_equal(RowFormat(dim, "float32").decode(RowFormat(dim, "float32").encode(x)), x)
+    f16 = RowFormat(dim, embstore.RowDType.FLOAT16)
+    np.testing.assert_array_equal(f16.decode(f16.encode(x)), x.astype(np.float16).astype(np.float32))
+    i8 = RowFormat(dim, embstore.RowDType.INT8, state_dim=2)
+    enc = i8.encode(x, np.full((3, 2), 7, np.float32))
+    assert enc.shape == (3, dim + 8 + 8)
+    tol = (x.max(1) - x.min(1)) / 510 * 1.001 + 1e-3 * np.abs(x).max(1) * 1e-3 + 1e-6
+    assert (np.abs(i8.decode(enc) - x).max(1) <= tol).all()
+    np.testing.assert_array_equal(i8.decode_state(enc), 7)
+
+
+@pytest.fixture()
+def table(tmp_path):
+    cfg = TableConfig("t", 50, 4, tiers=(TierConfig("dram", 160, "lru"), TierConfig("ssd")))
+    store = embstore.create(tmp_path / "s", StoreConfig((cfg,)))
+    yield store["t"]
+    store.close()
+
+
+def test_lookup_validation(table) -> None:
+    with pytest.raises(embstore.InvalidInputError, match="int64"):
+        table.lookup(np.array([1, 2], np.int32))
+    with pytest.raises(embstore.InvalidInputError, match="1-D"):
+        table.lookup(np.zeros((2, 2), np.int64))
+    with pytest.raises(embstore.InvalidInputError, match="ndarray or torch.Tensor"):
+        table.lookup([1, 2])
+    with pytest.raises(embstore.IdOutOfRangeError, match=r"id 50 outside \[0, 50\)"):
+        table.lookup(np.array([1, 50], np.int64))
+    with pytest.raises(embstore.IdOutOfRangeError, match="id -1"):
+        table.lookup(np.array([-1], np.int64))
+    assert table.lookup(np.array([], np.int64)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("offsets,msg", [([1, 3], "offsets\\[0\\] must be 0"), ([0, 2], "must equal len"),
+                                         ([0, 2, 1, 3], "non-decreasing"), ([], "at least")])
+def test_offsets_validation(table, offsets, msg) -> None:
+    with pytest.raises(embstore.InvalidOffsetsError, match=msg):
+        table.lookup_pooled(np.array([1, 2, 3], np.int64), np.array(offsets, np.int64))
+
+
+def test_pooled_mode_and_update_validation(table) -> None:
+    ids = np.array([1, 2], np.int64)
+    with pytest.raises(embstore.InvalidInputError, match="mode"):
+        table.lookup_pooled(ids, np.array([0, 2], np.int64), mode="max")
+    before = table.lookup(ids)
+    for rows, msg in [(np.ones((2, 5), np.float32), "shape"), (np.ones((2, 4), np.int64), "floating"),
+                      (np.full((2, 4), np.inf, np.float32), "finite"), (np.full((2, 4), 1e39), "finite")]:
+        with pytest.raises(embstore.InvalidRowsError, match=msg):
+            table.update(ids, rows)
+    np.testing.assert_array_equal(table.lookup(ids), before)
+
+
+def test_torch_in_torch_out_and_last_write_wins(table) -> None:
+    table.update(torch.tensor([3, 3, 4]), torch.tensor([[1.0] * 4, [2.0] * 4, [3.0] * 4]))
+    out = table.lookup(torch.tensor([3, 4]))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+    assert out[:, 0].tolist() == [2.0, 3.0]
+    pooled = table.lookup_pooled(torch.tensor([3, 4, 3]), torch.tensor([0, 2, 2, 3]), mode="mean")
+    assert pooled[:, 0].tolist() == [2.5, 0.0, 2.0]
+
+
+def test_store_lifecycle_errors(tmp_path) -> None:
+    with pytest.raises(embstore.StoreNotFoundError):
+        embstore.open(tmp_path / "nothing")
+    store = embstore.create(tmp_path / "s", StoreConfig.from_toml(BASE))
+    with pytest.raises(embstore.UnknownTableError, match="known tables: t"):
+        store["u"]
+    with pytest.raises(embstore.TableExistsError):
+        store.create_table(store["t"].config)
+    store.create_table(TableConfig("u", 10, 2, tiers=(TierConfig("rocksdb"),)))
+    store["u"].update(np.array([9], np.int64), np.ones((1, 2), np.float32))
+    store.close()
+    with pytest.raises(embstore.StoreClosedError):
+        store["t"]
+    with embstore.open(tmp_path / "s") as s:
+        assert sorted(s.tables) == ["t", "u"] and s["u"].lookup(np.array([9]))[0].tolist() == [1.0, 1.0]
+    (tmp_path / "s" / "manifest.json").write_text("{not json")
+    with pytest.raises(embstore.CorruptStoreError, match="manifest.json"):
+        embstore.open(tmp_path / "s")
