@@ -46,10 +46,13 @@ def register(subparsers: Any) -> None:
     f = sub.add_parser("fit", help="fit a learned hash from a trace", description=_FIT_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     f.add_argument("trace", metavar="TRACE", help="trace file (.npz/.pt/.csv via embstore.traces, or .npy ids)")
-    f.add_argument("--buckets", type=int, required=True, metavar="N", help="physical rows of the table (num_embeddings)")
+    f.add_argument("--buckets", type=int, required=True, metavar="N",
+                   help="physical rows of the table (its num_embeddings)")
     f.add_argument("--out", required=True, metavar="F", help="mapping file to write (replaced atomically)")
     f.add_argument("--table", default=None, metavar="NAME_OR_INDEX",
                    help="which table of the trace to fit (default: table 0)")
+    f.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="samples per batch when TRACE is in Meta's dlrm_datasets format")
     f.add_argument("--dim", type=int, default=8, help="dimension of the learned id vectors (default 8)")
     f.add_argument("--dedicated-fraction", type=float, default=0.5, metavar="F",
                    help="fraction of the rows given to the most accessed ids, one each (default 0.5)")
@@ -88,7 +91,7 @@ def select_table(trace: Any, table: str | None) -> tuple[np.ndarray, np.ndarray,
     return np.ascontiguousarray(np.asarray(trace.ids)[mask], np.int64), offsets, label
 
 
-def load_ids(path: Path, table: str | None) -> tuple[np.ndarray, np.ndarray | None, str]:
+def load_ids(path: Path, table: str | None, batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray | None, str]:
     """(ids, batch_offsets or None, label) from a .npy of ids or any trace format."""
     if not path.exists():
         raise _UsageError(f"trace {str(path)!r} does not exist")
@@ -99,15 +102,16 @@ def load_ids(path: Path, table: str | None) -> tuple[np.ndarray, np.ndarray | No
             raise _UsageError(f"{str(path)!r} is not a readable .npy file: {exc}") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise _UsageError(f"{str(path)!r} must hold a 1-D integer array of ids, got {arr.dtype} {arr.shape}")
-        if table not in (None, "0"):
-            raise _UsageError("a .npy trace holds one table; drop --table")
+        if table not in (None, "0") or batch_size is not None:
+            raise _UsageError("a .npy trace holds one table and no batches; drop --table and --batch-size")
         return np.ascontiguousarray(arr, np.int64), None, "0"
     try:
         from embstore import traces
     except ImportError:
         raise _UsageError("reading trace files needs embstore.traces, which this install lacks; "
                           "pass a .npy array of ids instead") from None
-    return select_table(traces.load(path), table)
+    kwargs = {} if batch_size is None else {"batch_size": batch_size}
+    return select_table(traces.load(path, **kwargs), table)
 
 
 def run_fit(args: argparse.Namespace) -> int:
@@ -125,7 +129,7 @@ def run_fit(args: argparse.Namespace) -> int:
         if not out.parent.is_dir():
             raise _UsageError(f"--out: directory {str(out.parent)!r} does not exist")
         log(f"reading {trace_path}")
-        ids, offsets, label = load_ids(trace_path, args.table)
+        ids, offsets, label = load_ids(trace_path, args.table, args.batch_size)
         if ids.size == 0:
             raise _UsageError(f"table {label} of {str(trace_path)!r} has no accesses")
         log(f"table {label}: {ids.size} accesses")

@@ -1,0 +1,109 @@
+"""A single-file container of a JSON header plus raw arrays, opened with mmap.
+
+Why not ``.npz``: ``np.load(mmap_mode="r")`` ignores mmap for zip members,
+and a directory of ``.npy`` files cannot be replaced atomically. Layout::
+
+    bytes 0..8     magic b"EMBHASH\\x01"
+    bytes 8..16    header length H (uint64, little endian)
+    bytes 16..16+H header, UTF-8 JSON: {"meta": {...}, "arrays": {name: {"dtype", "shape", "offset", "crc32"}}}
+    then each array's raw little-endian bytes at data_start + offset, where
+    data_start is the first 64-byte boundary after the header
+
+Writes go to a temporary file, are fsynced and renamed over the target, so a
+reader sees the old file or the new one, never half of one. Reads check magic,
+header, sizes and each array's CRC-32 and raise :class:`CorruptStoreError`
+naming the path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embstore.errors import CorruptStoreError
+
+MAGIC = b"EMBHASH\x01"
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def write_arrays(path: str | os.PathLike[str], meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Write ``meta`` and ``arrays`` to ``path`` atomically."""
+    path = Path(path)
+    plain = {name: np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False) for name, a in arrays.items()}
+    descr: dict[str, Any] = {}
+    pos = 0  # offsets count from the data start, the first 64-byte boundary after the header
+    for name, a in plain.items():
+        descr[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "offset": pos,
+                       "crc32": zlib.crc32(memoryview(a).cast("B"))}
+        pos = _align(pos + a.nbytes)
+    head = json.dumps({"meta": meta, "arrays": descr}, sort_keys=True).encode()
+    data_start = _align(16 + len(head))
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+            for name, a in plain.items():
+                f.write(b"\0" * (data_start + descr[name]["offset"] - f.tell()))
+                f.write(memoryview(a).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_arrays(path: str | os.PathLike[str], verify: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(meta, arrays) with each array a read-only mmap of the file. Raises
+    FileNotFoundError when the file is absent, CorruptStoreError when unreadable."""
+    path = Path(path)
+
+    def bad(why: str) -> CorruptStoreError:
+        return CorruptStoreError(f"{path}: not a valid embstore hash mapping ({why})")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        start = f.read(16)
+        if len(start) < 16 or start[:8] != MAGIC:
+            raise bad("wrong magic bytes; expected a file written by LearnedHash.save")
+        (hlen,) = struct.unpack("<Q", start[8:])
+        if hlen > size - 16:
+            raise bad(f"header length {hlen} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(hlen).decode())
+            meta, descr = header["meta"], header["arrays"]
+            if not isinstance(meta, dict) or not isinstance(descr, dict):
+                raise TypeError("meta and arrays must be objects")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise bad(f"header: {exc}") from None
+    data_start = _align(16 + hlen)
+    arrays: dict[str, np.ndarray] = {}
+    for name, d in descr.items():
+        try:
+            dtype = np.dtype(d["dtype"])
+            shape = tuple(int(s) for s in d["shape"])
+            offset = data_start + int(d["offset"])
+            crc = int(d["crc32"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad(f"array {name!r}: {exc}") from None
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if offset < data_start or offset + nbytes > size or any(s < 0 for s in shape):
+            raise bad(f"array {name!r} of {nbytes} bytes at offset {offset} does not fit in {size} bytes")
+        if nbytes == 0:
+            arr = np.empty(shape, dtype)
+        else:
+            arr = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape).view(np.ndarray)
+        if verify and zlib.crc32(memoryview(np.ascontiguousarray(arr)).cast("B")) != crc:
+            raise bad(f"array {name!r} fails its CRC-32 check")
+        arrays[name] = arr
+    return meta, arrays
