@@ -42,35 +42,83 @@ def _as_keys(keys: npt.ArrayLike, what: str = "keys") -> Ids:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def densify(keys: npt.ArrayLike) -> tuple[Ids, int]:
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@njit(cache=True)
+def _slot(v, shift):  # pragma: no cover - numba
+    return np.int64((np.uint64(v) * _GOLDEN) >> np.uint64(shift))
+
+
+@njit(cache=True)
+def _hash_densify(x, out):  # pragma: no cover - numba
+    """Number keys by first appearance with an open-addressing hash table
+    (Fibonacci hashing, linear probing, doubled at half load): O(n) expected."""
+    bits = 16
+    cap = 1 << bits
+    tk = np.empty(cap, dtype=np.int64)
+    tv = np.full(cap, -1, dtype=np.int64)
+    num = 0
+    for i in range(x.shape[0]):
+        v = x[i]
+        j = _slot(v, 64 - bits)
+        while True:
+            if tv[j] < 0:
+                tk[j] = v
+                tv[j] = num
+                out[i] = num
+                num += 1
+                break
+            if tk[j] == v:
+                out[i] = tv[j]
+                break
+            j = (j + 1) & (cap - 1)
+        if 2 * num > cap:
+            bits += 1
+            ncap = cap * 2
+            nk = np.empty(ncap, dtype=np.int64)
+            nv = np.full(ncap, -1, dtype=np.int64)
+            for a in range(cap):
+                if tv[a] >= 0:
+                    b = _slot(tk[a], 64 - bits)
+                    while nv[b] >= 0:
+                        b = (b + 1) & (ncap - 1)
+                    nk[b] = tk[a]
+                    nv[b] = tv[a]
+            tk = nk
+            tv = nv
+            cap = ncap
+    return num
+
+
+def densify(keys: npt.ArrayLike, *, compact: bool = False) -> tuple[Ids, int]:
     """``(dense, K)``: the same sequence with keys renumbered into ``[0, K)``.
 
     Keys that already lie in a small non-negative range are returned as they are
-    (``K = max + 1``), so kernels can index per-key arrays without a hash map.
+    (``K = max + 1``, possibly more than the distinct count) unless ``compact``;
+    others are numbered by first appearance (hash table, O(n)) and then ``K`` is
+    the number of distinct keys. Kernels then index per-key arrays directly.
     """
     k = _as_keys(keys)
     if k.size == 0:
         return k, 0
     lo, hi = int(k.min()), int(k.max())
-    if lo >= 0 and hi < 2 * k.size + 1024:
+    if not compact and lo >= 0 and hi < 2 * k.size + 1024:
         return k, hi + 1
-    uniq, inv = np.unique(k, return_inverse=True)
-    return inv.astype(np.int64, copy=False).reshape(-1), int(uniq.size)
+    out = np.empty(k.size, dtype=np.int64)
+    num = _hash_densify(k, out)
+    return out, int(num)
 
 
 @njit(cache=True)
-def _first_in_batch(keys, offsets, keep):  # pragma: no cover - numba
+def _first_in_batch(keys, offsets, num_keys, keep):  # pragma: no cover - numba
+    seen = np.full(num_keys, -1, dtype=np.int64)  # last batch each key was kept in
     for b in range(offsets.shape[0] - 1):
-        s = offsets[b]
-        e = offsets[b + 1]
-        if e - s == 0:
-            continue
-        seg = keys[s:e]
-        order = np.argsort(seg, kind="mergesort")  # stable: ties keep the earliest position first
-        keep[s + order[0]] = True
-        for j in range(1, e - s):
-            if seg[order[j]] != seg[order[j - 1]]:
-                keep[s + order[j]] = True
+        for i in range(offsets[b], offsets[b + 1]):
+            k = keys[i]
+            if seen[k] != b:
+                seen[k] = b
+                keep[i] = True
 
 
 def _check_offsets(offsets: npt.ArrayLike, n: int) -> npt.NDArray[np.int64]:
@@ -96,7 +144,8 @@ def dedup_batches(keys: npt.ArrayLike, batch_offsets: npt.ArrayLike) -> tuple[Id
     off = _check_offsets(batch_offsets, k.size)
     keep = np.zeros(k.size, dtype=np.bool_)
     if k.size:
-        _first_in_batch(k, off, keep)
+        dense, num = densify(k)
+        _first_in_batch(dense, off, num, keep)
     cum = np.zeros(k.size + 1, dtype=np.int64)
     np.cumsum(keep, out=cum[1:])
     return k[keep], cum[off]

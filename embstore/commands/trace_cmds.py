@@ -1,0 +1,130 @@
+"""`embstore trace gen` and `embstore trace stats`: make and inspect lookup traces."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm import tqdm
+
+from embstore import tracegen, traces
+from embstore.errors import InvalidInputError
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trace", help="generate or inspect embedding-lookup traces",
+        description="Traces are every embedding lookup of a workload, in order, cut into batches "
+                    "(.npz with ids, table, batch_offsets, table_names). 'gen' writes a synthetic one, "
+                    "'stats' summarises any trace: .npz, Meta's dlrm_datasets torch files (.pt, .pt.gz) "
+                    "or CSV with a 'table,id' header.")
+    verbs = p.add_subparsers(dest="trace_verb", metavar="SUBVERB", required=True)
+
+    g = verbs.add_parser(
+        "gen", help="write a synthetic trace",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write a synthetic trace of BATCHES batches of BATCH_SIZE samples, each sample looking "
+                    "up POOLING ids in each of TABLES tables.\n\n"
+                    "--like dlrm2021|dlrm2022 reproduces the per-batch statistics published for Meta's\n"
+                    "  dlrm_datasets traces (unique ratio and reuse histogram, averaged over batches, within\n"
+                    "  a point) at the batch size you ask for; needs BATCH_SIZE x POOLING > 1024.\n"
+                    "  --zipf then sets how skewed long-run id popularity is (cross-batch reuse, default 1.0).\n"
+                    "--zipf ALPHA alone draws every lookup from Zipf(ALPHA) over each table's ids.",
+        epilog="example: embstore trace gen --like dlrm2022 --batches 50 --batch-size 16384 --tables 8 "
+               "--out t.npz")
+    g.add_argument("--like", choices=sorted(tracegen.PROFILES), help="published statistics to reproduce")
+    g.add_argument("--zipf", type=float, metavar="ALPHA", help="Zipf exponent of id popularity (>= 0)")
+    g.add_argument("--batches", type=_positive, default=10, help="number of batches (default 10)")
+    g.add_argument("--batch-size", type=_positive, default=4096, help="samples per batch (default 4096)")
+    g.add_argument("--tables", type=_positive, default=8, help="number of tables (default 8)")
+    g.add_argument("--pooling", type=_positive, default=1, help="lookups per sample per table (default 1)")
+    g.add_argument("--ids", type=_positive, default=1_000_000, help="id space per table: ids lie in [0, IDS) "
+                                                              "(default 1000000)")
+    g.add_argument("--seed", type=_seed, default=0, help="random seed; same arguments, same trace (default 0)")
+    g.add_argument("--out", required=True, metavar="F.npz", help="output trace file")
+    g.set_defaults(func=cmd_gen)
+
+    s = verbs.add_parser(
+        "stats", help="print a trace's statistics",
+        description="Print accesses, batches, unique rows ((table, id) pairs), the per-batch unique ratio "
+                    "and dedup factor, the reuse histogram (share of a batch's unique rows looked up more "
+                    "than k times and the share of lookups they take, lookup-weighted over batches) and "
+                    "reuse distances (distinct other rows between successive accesses of a row, on the "
+                    "per-batch deduplicated sequence: an LRU cache of C rows hits when the distance < C).")
+    s.add_argument("trace", help="trace file: .npz, Meta's .pt / .pt.gz, or .csv")
+    s.add_argument("--batch-size", type=_positive, default=None,
+                   help="for Meta's torch format: samples per batch (default: the whole file is one batch)")
+    s.add_argument("--no-reuse-distance", action="store_true",
+                   help="skip the reuse-distance pass (O(n log n)) on very large traces")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    s.set_defaults(func=cmd_stats)
+
+
+def cmd_gen(args: argparse.Namespace) -> int:
+    if args.like is None and args.zipf is None:
+        raise InvalidInputError("give --like dlrm2021|dlrm2022 or --zipf ALPHA")
+    with tqdm(total=args.batches, desc="trace gen", unit="batch", disable=None) as bar:
+        trace = tracegen.generate(args.like, zipf_alpha=args.zipf, batches=args.batches,
+                                  batch_size=args.batch_size, tables=args.tables, ids=args.ids,
+                                  pooling=args.pooling, seed=args.seed, progress=bar.update)
+    traces.save(trace, args.out)
+    print(f"wrote {args.out}: {len(trace):,} accesses, {trace.num_batches} batches, {trace.num_tables} tables")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    trace = traces.load(args.trace, batch_size=args.batch_size)
+    with tqdm(total=len(trace), desc="reuse distances", unit="access", unit_scale=True,
+              disable=True if args.no_reuse_distance else None, leave=False) as bar:
+        st = traces.trace_stats(trace, reuse_distances=not args.no_reuse_distance, progress=bar.update)
+    if args.json:
+        print(json.dumps({"trace": args.trace, **st.to_dict()}))
+    else:
+        sys.stdout.write(format_stats(st, args.trace))
+    return 0
+
+
+def format_stats(st: traces.TraceStats, name: str) -> str:
+    """The readable table ``trace stats`` prints."""
+    lines = [
+        f"trace        {name}",
+        f"accesses     {st.accesses:,}",
+        f"batches      {st.batches:,}",
+        f"tables       {st.tables:,}",
+        f"unique rows  {st.unique_rows:,}  ((table, id) pairs in the whole trace)",
+        f"per batch    unique {100 * st.unique_ratio:.1f}% of lookups, dedup {st.dedup_factor:.2f}x",
+        "",
+        "reuse within a batch (lookup-weighted over batches)",
+        "  reused > k   % of unique rows   % of lookups",
+    ]
+    lines += [f"  {b.threshold:>10,}   {b.rows_pct:16.2f}   {b.lookups_pct:12.2f}" for b in st.reuse]
+    rd = st.reuse_distance
+    if rd is not None:
+        lines += [
+            "",
+            "reuse distance (distinct other rows between reuses, per-batch deduplicated accesses)",
+            f"  re-accesses  {rd.reaccess_pct:.1f}% of deduplicated accesses",
+            f"  p50 {rd.p50:,.0f}   p90 {rd.p90:,.0f}   p99 {rd.p99:,.0f}   max {rd.max:,}",
+        ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,545 @@
+"""Embedding-lookup traces: the in-memory form, the three file formats, statistics.
+
+A trace is every lookup in order, cut into batches::
+
+    ids           = [ 7, 3, 3, 9 | 7, 1 ]     int64, every access in order
+    table         = [ 0, 0, 1, 1 | 0, 1 ]     int32, index into table_names
+    batch_offsets = [ 0,          4,     6 ]  int64, batch b is ids[off[b]:off[b+1]]
+    table_names   = ("user", "item")
+
+A row is a ``(table, id)`` pair: id 3 of table 0 and id 3 of table 1 are
+different rows. :func:`dense_keys` numbers the rows ``0..K-1`` for the
+simulators (``embstore.belady``, ``embstore.stackdist``).
+
+Formats read by :func:`load` (written: only npz, by :func:`save`):
+
+* ``.npz`` with ``ids``, ``table``, ``batch_offsets`` and optional ``table_names``
+  (SPEC section 6).
+* Meta's ``dlrm_datasets`` release: ``indices, offsets, lengths = torch.load(f)``,
+  optionally gzipped. ``lengths`` has shape ``(T, B)``; bag ``t * B + b`` (table
+  t, sample b) is ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (table-major,
+  as fbgemm's TBE takes it). By default the whole file is one batch of B
+  samples. With ``batch_size=S`` samples ``[kS, (k+1)S)`` form batch k (the
+  last batch may be shorter). Inside a batch the order is **table-major**, as
+  in the file: table 0's bags for the batch's samples in sample order, then
+  table 1's, and so on.
+* CSV with header ``table,id`` (optionally a third column ``batch``, batch
+  numbers that never decrease). ``table`` is a table index or a table name
+  (names get indices in order of first appearance). Without a ``batch`` column
+  the file is one batch. CSV is meant for small hand-made traces.
+
+Statistics (:func:`trace_stats`) follow the definitions used for the published
+dlrm_datasets numbers: per batch, the unique ratio is unique rows / lookups,
+and the reuse histogram gives, for k in 1, 8, 32, 64, 256, 1024, the share of
+the batch's unique rows looked up more than k times in the batch and the share
+of the batch's lookups that go to them; per-batch values are averaged over
+batches weighted by lookups.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit
+
+from embstore.arrays import Ids
+from embstore.belady import dedup_batches, densify
+from embstore.errors import CorruptStoreError, InvalidInputError
+from embstore.stackdist import stack_distances
+
+__all__ = [
+    "REUSE_THRESHOLDS",
+    "ReuseBucket",
+    "ReuseDistance",
+    "Trace",
+    "TraceStats",
+    "dense_keys",
+    "load",
+    "save",
+    "trace_stats",
+]
+
+REUSE_THRESHOLDS: tuple[int, ...] = (1, 8, 32, 64, 256, 1024)
+FORMATS = ("npz", "meta", "csv")
+
+
+def _int_array(x: Any, dtype: type, what: str) -> np.ndarray:
+    """Cast an integer array to ``dtype`` if every value fits; refuse floats and objects."""
+    arr = np.asarray(x)
+    if arr.ndim != 1:
+        raise InvalidInputError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype == dtype:
+        return np.ascontiguousarray(arr)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":  # np.array([]) is float64
+            return np.zeros(0, dtype=dtype)
+        raise InvalidInputError(f"{what} must be an integer array ({np.dtype(dtype).name}), got dtype {arr.dtype}")
+    if arr.size:
+        info = np.iinfo(dtype)
+        lo, hi = arr.min(), arr.max()
+        if lo < info.min or hi > info.max:
+            raise InvalidInputError(f"{what} holds values outside the {np.dtype(dtype).name} range "
+                                    f"({int(lo)} .. {int(hi)})")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def default_table_names(n: int) -> tuple[str, ...]:
+    return tuple(f"table_{i}" for i in range(n))
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Every lookup of a workload, in order, with batch boundaries (see module doc).
+
+    Integer arrays of other integer dtypes are cast when every value fits;
+    ``table_names`` defaults to ``table_0 ..`` for as many tables as indices use.
+    """
+
+    ids: Ids
+    table: npt.NDArray[np.int32]
+    batch_offsets: npt.NDArray[np.int64]
+    table_names: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        ids = _int_array(self.ids, np.int64, "ids")
+        table = _int_array(self.table, np.int32, "table")
+        off = _int_array(self.batch_offsets, np.int64, "batch_offsets")
+        if table.size != ids.size:
+            raise InvalidInputError(f"table has {table.size} entries but ids has {ids.size}; they must agree")
+        if off.size < 1 or off[0] != 0:
+            raise InvalidInputError("batch_offsets must start at 0")
+        if off[-1] != ids.size:
+            raise InvalidInputError(f"batch_offsets must end with len(ids) = {ids.size}, got {int(off[-1])}")
+        if off.size > 1 and np.any(np.diff(off) < 0):
+            i = int(np.argmax(np.diff(off) < 0))
+            raise InvalidInputError(f"batch_offsets must be non-decreasing; entry {i} = {int(off[i])} > "
+                                    f"entry {i + 1} = {int(off[i + 1])}")
+        names = tuple(self.table_names)
+        if any(not isinstance(n, str) or not n for n in names):
+            raise InvalidInputError("table_names must be non-empty strings")
+        if len(set(names)) != len(names):
+            raise InvalidInputError(f"table_names must be unique, got {names}")
+        if table.size:
+            lo, hi = int(table.min()), int(table.max())
+            if lo < 0:
+                raise InvalidInputError(f"table indices must be >= 0, got {lo}")
+            if not names:
+                names = default_table_names(hi + 1)
+            elif hi >= len(names):
+                raise InvalidInputError(f"table index {hi} is out of range for {len(names)} table names")
+        elif not names:
+            names = default_table_names(1)
+        object.__setattr__(self, "ids", ids)
+        object.__setattr__(self, "table", table)
+        object.__setattr__(self, "batch_offsets", off)
+        object.__setattr__(self, "table_names", names)
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.batch_offsets.size - 1)
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.table_names)
+
+    def __repr__(self) -> str:
+        return (f"Trace({len(self)} accesses, {self.num_batches} batches, "
+                f"{self.num_tables} tables)")
+
+
+def dense_keys(trace: Trace) -> tuple[Ids, int]:
+    """``(keys, K)``: each access's row ``(table, id)`` numbered ``0..K-1`` in order
+    of first appearance; ``K`` is the number of distinct rows."""
+    n = len(trace)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    ids, tab = trace.ids, trace.table
+    shift = max(1, int(trace.num_tables - 1).bit_length())
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < (1 << (62 - shift)):
+        return densify((tab.astype(np.int64) << np.int64(62 - shift)) | ids, compact=True)
+    order = np.lexsort((ids, tab))
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    new[1:] = (ids[order[1:]] != ids[order[:-1]]) | (tab[order[1:]] != tab[order[:-1]])
+    keys = np.empty(n, dtype=np.int64)
+    keys[order] = np.cumsum(new) - 1
+    return densify(keys, compact=True)  # renumber by first appearance
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save(trace: Trace, path: str | os.PathLike[str]) -> None:
+    """Write the npz form (uncompressed: fast for 100M-access traces), atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, ids=trace.ids, table=trace.table, batch_offsets=trace.batch_offsets,
+                     table_names=np.array(trace.table_names, dtype=np.str_))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load(path: str | os.PathLike[str], *, batch_size: int | None = None, format: str | None = None) -> Trace:
+    """Read a trace in any supported format (see module doc).
+
+    ``format`` is ``"npz"``, ``"meta"`` or ``"csv"``; by default it is guessed
+    from the suffix, then from the file's first bytes. ``batch_size`` (samples
+    per batch) applies to the Meta format only. Unreadable files raise
+    :class:`CorruptStoreError`, readable ones with wrong contents
+    :class:`InvalidInputError`; both name the file.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise InvalidInputError(f"trace file {str(p)!r} does not exist")
+    if p.is_dir():
+        raise InvalidInputError(f"trace file {str(p)!r} is a directory")
+    fmt = format or _guess_format(p)
+    if fmt not in FORMATS:
+        raise InvalidInputError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
+    if batch_size is not None:
+        if fmt != "meta":
+            raise InvalidInputError(f"batch_size applies to Meta's torch format only; {str(p)!r} is {fmt}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise InvalidInputError(f"batch_size must be a positive number of samples, got {batch_size!r}")
+    try:
+        if fmt == "npz":
+            return _load_npz(p)
+        if fmt == "meta":
+            return _load_meta(p, batch_size)
+        return _load_csv(p)
+    except CorruptStoreError:
+        raise
+    except InvalidInputError as exc:
+        if str(p) in str(exc):
+            raise
+        raise type(exc)(f"trace file {str(p)!r}: {exc}") from exc
+
+
+def _guess_format(p: Path) -> str:
+    name = p.name.lower()
+    if name.endswith(".npz"):
+        return "npz"
+    if name.endswith(".csv"):
+        return "csv"
+    if name.endswith((".pt", ".pt.gz", ".pth", ".gz")):
+        return "meta"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise CorruptStoreError(f"trace file {str(p)!r} cannot be read: {exc}") from exc
+    if head[:2] == b"\x1f\x8b":
+        return "meta"
+    if head == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(p) as z:
+                return "npz" if any(n.endswith(".npy") for n in z.namelist()) else "meta"
+        except zipfile.BadZipFile as exc:
+            raise CorruptStoreError(f"trace file {str(p)!r} is not a valid zip archive: {exc}") from exc
+    return "csv"
+
+
+def _load_npz(p: Path) -> Trace:
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            missing = [k for k in ("ids", "table", "batch_offsets") if k not in z.files]
+            if missing:
+                raise CorruptStoreError(f"trace file {str(p)!r} lacks the array(s) {', '.join(missing)} "
+                                        f"(has: {', '.join(z.files) or 'nothing'})")
+            ids, table, off = z["ids"], z["table"], z["batch_offsets"]
+            names: tuple[str, ...] = ()
+            if "table_names" in z.files:
+                raw = z["table_names"]
+                if raw.dtype.kind != "U" or raw.ndim != 1:
+                    raise InvalidInputError(f"trace file {str(p)!r}: table_names must be a 1-D string array, "
+                                            f"got {raw.dtype} {raw.shape}")
+                names = tuple(str(s) for s in raw)
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, InvalidInputError):
+            raise
+        raise CorruptStoreError(f"trace file {str(p)!r} is not a readable npz trace: {exc}") from exc
+    for what, arr in (("ids", ids), ("table", table), ("batch_offsets", off)):
+        if arr.dtype.kind not in "iu":
+            raise InvalidInputError(f"trace file {str(p)!r}: {what} must be integers, got dtype {arr.dtype}")
+    return Trace(ids, table, off, names)
+
+
+def _torch_load(p: Path) -> Any:
+    import torch
+
+    with open(p, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    tmp_name = None
+    try:
+        src = p
+        if gz:  # torch.load needs random access; inflate to a temporary file first
+            fd, tmp_name = tempfile.mkstemp(suffix=".pt")
+            with os.fdopen(fd, "wb") as out, gzip.open(p, "rb") as inp:
+                shutil.copyfileobj(inp, out, length=1 << 24)
+            src = Path(tmp_name)
+        return torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types (RuntimeError, UnpicklingError, ...) on bad files
+        raise CorruptStoreError(f"trace file {str(p)!r} is not a readable torch file"
+                                f"{' (gzipped)' if gz else ''}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if tmp_name is not None:
+            os.unlink(tmp_name)
+
+
+def _load_meta(p: Path, batch_size: int | None) -> Trace:
+    import torch
+
+    obj = _torch_load(p)
+    if not isinstance(obj, (tuple, list)) or len(obj) != 3 or not all(isinstance(t, torch.Tensor) for t in obj):
+        what = f"{type(obj).__name__} of {len(obj)}" if isinstance(obj, (tuple, list)) else type(obj).__name__
+        raise CorruptStoreError(f"trace file {str(p)!r} should hold (indices, offsets, lengths) tensors, got a {what}")
+    indices, offsets, lengths = (t.detach().cpu().numpy() for t in obj)
+    for what, arr in (("indices", indices), ("offsets", offsets), ("lengths", lengths)):
+        if arr.dtype.kind not in "iu":
+            raise InvalidInputError(f"trace file {str(p)!r}: {what} must be an integer tensor, got {arr.dtype}")
+    if lengths.ndim != 2:
+        raise InvalidInputError(f"trace file {str(p)!r}: lengths must have shape (tables, batch), got {lengths.shape}")
+    if indices.ndim != 1 or offsets.ndim != 1:
+        raise InvalidInputError(f"trace file {str(p)!r}: indices and offsets must be 1-D, "
+                                f"got {indices.shape} and {offsets.shape}")
+    T, B = (int(x) for x in lengths.shape)
+    indices = indices.astype(np.int64, copy=False)
+    offsets = offsets.astype(np.int64, copy=False)
+    lens = lengths.reshape(-1).astype(np.int64)
+    if offsets.size == T * B and (offsets.size == 0 or offsets[0] == 0):  # no trailing end offset
+        offsets = np.append(offsets, indices.size)
+    if offsets.size != T * B + 1:
+        raise InvalidInputError(f"trace file {str(p)!r}: offsets has {offsets.size} entries; lengths of shape "
+                                f"({T}, {B}) needs {T * B + 1}")
+    if offsets[0] != 0 or offsets[-1] != indices.size:
+        raise InvalidInputError(f"trace file {str(p)!r}: offsets must run from 0 to len(indices) = {indices.size}, "
+                                f"got {int(offsets[0])} .. {int(offsets[-1])}")
+    if not np.array_equal(np.diff(offsets), lens):
+        raise InvalidInputError(f"trace file {str(p)!r}: lengths disagree with the differences of offsets")
+    if np.any(lens < 0):
+        raise InvalidInputError(f"trace file {str(p)!r}: negative bag lengths")
+    names = default_table_names(max(T, 1))
+    per_table = lens.reshape(T, B).sum(axis=1)
+    S = B if batch_size is None else min(int(batch_size), max(B, 1))
+    if S >= B:  # one batch: the file's own (table-major) order
+        table = np.repeat(np.arange(T, dtype=np.int32), per_table)
+        return Trace(indices, table, np.array([0, indices.size], dtype=np.int64), names)
+    # bag order: batch-major, then table, then sample
+    full = B // S
+    grid = np.arange(T * B, dtype=np.int64).reshape(T, B)
+    parts = [grid[:, : full * S].reshape(T, full, S).transpose(1, 0, 2).reshape(-1)]
+    if full * S < B:
+        parts.append(grid[:, full * S:].reshape(-1))
+    bags = np.concatenate(parts)
+    blen = lens[bags]
+    cum = np.zeros(bags.size + 1, dtype=np.int64)
+    np.cumsum(blen, out=cum[1:])
+    pos = np.repeat(offsets[:-1][bags] - cum[:-1], blen) + np.arange(cum[-1], dtype=np.int64)
+    table = np.repeat((bags // B).astype(np.int32), blen)
+    bounds = [k * T * S for k in range(full + 1)]
+    if full * S < B:
+        bounds.append(T * B)
+    return Trace(indices[pos], table, cum[np.array(bounds, dtype=np.int64)], names)
+
+
+def _load_csv(p: Path) -> Trace:
+    try:
+        with open(p, encoding="utf-8") as f:
+            header = [h.strip().lower() for h in f.readline().strip().split(",")]
+            if header not in (["table", "id"], ["table", "id", "batch"]):
+                raise InvalidInputError(f"trace file {str(p)!r}: expected the CSV header 'table,id' "
+                                        f"(or 'table,id,batch'), got {','.join(header)!r}")
+            with_batch = len(header) == 3
+            with warnings.catch_warnings():  # a header-only file is an empty trace, not a warning
+                warnings.simplefilter("ignore", UserWarning)
+                rows = np.loadtxt(f, delimiter=",", dtype=np.str_, ndmin=2, comments=None)
+    except UnicodeDecodeError as exc:
+        raise CorruptStoreError(f"trace file {str(p)!r} is not a UTF-8 CSV file: {exc}") from exc
+    except ValueError as exc:  # ragged rows
+        raise InvalidInputError(f"trace file {str(p)!r}: malformed CSV: {exc}") from exc
+    except OSError as exc:
+        raise CorruptStoreError(f"trace file {str(p)!r} cannot be read: {exc}") from exc
+    if rows.size == 0:
+        rows = np.zeros((0, len(header)), dtype=np.str_)
+    if rows.shape[1] != len(header):
+        raise InvalidInputError(f"trace file {str(p)!r}: rows have {rows.shape[1]} columns, header has {len(header)}")
+    rows = np.char.strip(rows)
+
+    def ints(col: np.ndarray, what: str) -> np.ndarray:
+        try:
+            return col.astype(np.int64)
+        except (ValueError, OverflowError):
+            bad = next(i for i, s in enumerate(col.tolist()) if not _is_int(s))
+            raise InvalidInputError(f"trace file {str(p)!r}: line {bad + 2}: {what} {str(col[bad])!r} is not an "
+                                    f"integer") from None
+
+    ids = ints(rows[:, 1], "id")
+    tcol = rows[:, 0]
+    if tcol.size and all(_is_int(s) for s in np.unique(tcol).tolist()):
+        table = ints(tcol, "table")
+        if table.size and table.min() < 0:
+            raise InvalidInputError(f"trace file {str(p)!r}: table indices must be >= 0")
+        names: tuple[str, ...] = ()
+    else:
+        uniq, first, inv = np.unique(tcol, return_index=True, return_inverse=True)
+        rank = np.empty(uniq.size, dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(uniq.size)
+        table = rank[inv.reshape(-1)]
+        names = tuple(str(uniq[i]) for i in np.argsort(first, kind="stable"))
+    if with_batch:
+        b = ints(rows[:, 2], "batch")
+        if b.size and np.any(np.diff(b) < 0):
+            bad = int(np.argmax(np.diff(b) < 0)) + 1
+            raise InvalidInputError(f"trace file {str(p)!r}: line {bad + 2}: batch numbers must not decrease")
+        starts = np.flatnonzero(np.diff(b)) + 1
+        off = np.concatenate([[0], starts, [ids.size]]).astype(np.int64)
+    else:
+        off = np.array([0, ids.size], dtype=np.int64)
+    return Trace(ids, table, off, names)
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+        return True
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class ReuseBucket:
+    """Rows looked up more than ``threshold`` times in a batch."""
+
+    threshold: int
+    rows_pct: float  # % of the batch's unique rows
+    lookups_pct: float  # % of the batch's lookups that go to them
+
+
+@dataclass(frozen=True)
+class ReuseDistance:
+    """Distinct other rows between successive accesses of a row, measured on the
+    per-batch deduplicated sequence (the accesses a cache of the store sees).
+    ``d < C`` means an LRU cache of C rows would hit."""
+
+    reaccess_pct: float  # % of (deduplicated) accesses that revisit a row seen before
+    p50: float
+    p90: float
+    p99: float
+    max: int
+
+
+@dataclass(frozen=True)
+class TraceStats:
+    accesses: int
+    batches: int
+    tables: int
+    unique_rows: int  # distinct (table, id) pairs in the whole trace
+    unique_ratio: float  # per batch: unique rows / lookups, lookup-weighted mean over batches
+    dedup_factor: float  # 1 / unique_ratio: lookups per distinct row in a batch
+    reuse: tuple[ReuseBucket, ...]
+    reuse_distance: ReuseDistance | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@njit(cache=True)
+def _batch_reuse(keys, offsets, num_keys, thresholds, uniq, rows_above, lookups_above):  # pragma: no cover
+    """Per batch: count each dense key, then bucket the counts (O(n), no sorting)."""
+    cnt = np.zeros(num_keys, dtype=np.int64)
+    longest = 0
+    for b in range(offsets.shape[0] - 1):
+        longest = max(longest, offsets[b + 1] - offsets[b])
+    touched = np.empty(longest, dtype=np.int64)
+    for b in range(offsets.shape[0] - 1):
+        m = 0
+        for i in range(offsets[b], offsets[b + 1]):
+            k = keys[i]
+            if cnt[k] == 0:
+                touched[m] = k
+                m += 1
+            cnt[k] += 1
+        uniq[b] = m
+        for j in range(m):
+            run = cnt[touched[j]]
+            cnt[touched[j]] = 0
+            for t in range(thresholds.shape[0]):
+                if run > thresholds[t]:
+                    rows_above[b, t] += 1
+                    lookups_above[b, t] += run
+
+
+def batch_reuse(keys: Ids, batch_offsets: npt.NDArray[np.int64],
+                thresholds: tuple[int, ...] = REUSE_THRESHOLDS) -> tuple[float, tuple[ReuseBucket, ...]]:
+    """``(unique_ratio, buckets)`` of a key sequence, each lookup-weighted over batches."""
+    keys, num = densify(keys)
+    nb = batch_offsets.size - 1
+    th = np.asarray(thresholds, dtype=np.int64)
+    uniq = np.zeros(nb, dtype=np.int64)
+    rows_above = np.zeros((nb, th.size), dtype=np.int64)
+    lookups_above = np.zeros((nb, th.size), dtype=np.int64)
+    if keys.size:
+        _batch_reuse(keys, batch_offsets, num, th, uniq, rows_above, lookups_above)
+    n_b = np.diff(batch_offsets).astype(np.float64)
+    total = n_b.sum()
+    if total == 0:
+        return 0.0, tuple(ReuseBucket(int(k), 0.0, 0.0) for k in thresholds)
+    ok = uniq > 0
+    w = n_b[ok] / total
+    ratio = float(uniq.sum() / total)  # == sum_b w_b * U_b / N_b
+    rows_pct = 100.0 * (w[:, None] * rows_above[ok] / uniq[ok, None]).sum(axis=0)
+    lookups_pct = 100.0 * lookups_above.sum(axis=0) / total
+    return ratio, tuple(ReuseBucket(int(k), float(r), float(q)) for k, r, q in zip(thresholds, rows_pct, lookups_pct))
+
+
+def trace_stats(trace: Trace, *, reuse_distances: bool = True,
+                progress: Callable[[int], object] | None = None) -> TraceStats:
+    """Summary statistics of a trace (vectorised/numba; fine for 100M accesses).
+
+    ``reuse_distances=False`` skips the O(n log n) reuse-distance pass.
+    ``progress(n)`` is called as chunks of that pass complete.
+    """
+    keys, num = dense_keys(trace)
+    ratio, buckets = batch_reuse(keys, trace.batch_offsets)
+    rd = None
+    if reuse_distances:
+        dk, _ = dedup_batches(keys, trace.batch_offsets)
+        d = stack_distances(dk, progress=progress)
+        re = d[d >= 0]
+        if re.size:
+            q = np.percentile(re, [50, 90, 99])
+            rd = ReuseDistance(100.0 * re.size / d.size, float(q[0]), float(q[1]), float(q[2]), int(re.max()))
+        else:
+            rd = ReuseDistance(0.0, 0.0, 0.0, 0.0, 0)
+    return TraceStats(
+        accesses=len(trace),
+        batches=trace.num_batches,
+        tables=trace.num_tables,
+        unique_rows=num if len(trace) else 0,
+        unique_ratio=ratio,
+        dedup_factor=(1.0 / ratio) if ratio > 0 else 0.0,
+        reuse=buckets,
+        reuse_distance=rd,
+    )
