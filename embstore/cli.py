@@ -20,6 +20,8 @@ COMMAND_MODULES = (
     "embstore.commands.hash_cmds",
     "embstore.commands.bench_cmds",
     "embstore.commands.demo_cmds",
+    "embstore.commands.serve_cmds",
+    "embstore.commands.replay_cmds",
 )
 
 
