@@ -480,7 +480,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
 
 
 def test_cli_fits_one_table_of_a_trace(tmp_path, monkeypatch, capsys):
-    """Through embstore.traces.load (faked here: another module owns it) and --table by name or index."""
+    """Through a real npz trace (embstore.traces) and --table by name or index."""
     from embstore.commands import hash_cmds
 
     trace, offsets, _, _ = planted_trace(5, batches=40)
@@ -488,21 +488,19 @@ def test_cli_fits_one_table_of_a_trace(tmp_path, monkeypatch, capsys):
     # interleave table 0 (constant id) and table 1 (the planted trace) within each batch
     ids = np.stack([other, trace], axis=1).reshape(-1)
     table = np.tile(np.array([0, 1], np.int32), trace.size)
-    fake = types.SimpleNamespace(ids=ids, table=table, batch_offsets=offsets * 2, table_names=np.array(["a", "b"]))
-    seen = []
-    monkeypatch.setitem(sys.modules, "embstore.traces",
-                        types.SimpleNamespace(load=lambda p, **kw: seen.append(Path(p)) or fake))
+    from embstore.traces import Trace, save
+
+    fake = Trace(ids, table, offsets * 2, ("a", "b"))
     sel_ids, sel_off, label = hash_cmds.select_table(fake, "b")
     assert label == "b" and np.array_equal(sel_ids, trace) and np.array_equal(sel_off, offsets)
     assert hash_cmds.select_table(fake, "1")[2] == "b" and hash_cmds.select_table(fake, None)[2] == "a"
-    (tmp_path / "t.npz").write_bytes(b"")
+    save(fake, tmp_path / "t.npz")
     for table_arg in ("b", "1"):
         assert hash_cmds.main(["hash", "fit", str(tmp_path / "t.npz"), "--buckets", "100", "--out",
                                str(tmp_path / "m.ehash"), "--table", table_arg, "--quiet"]) == 0
         got = LearnedHash.load(tmp_path / "m.ehash")
         want = LearnedHash.fit(trace, 100, batch_offsets=offsets)
         assert np.array_equal(got(trace), want(trace))
-    assert seen == [tmp_path / "t.npz"] * 2
     assert hash_cmds.main(["hash", "fit", str(tmp_path / "t.npz"), "--buckets", "100", "--out",
                            str(tmp_path / "m.ehash"), "--table", "7", "--quiet"]) == 2
     assert "no accesses" in capsys.readouterr().err
