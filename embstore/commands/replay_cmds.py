@@ -1,0 +1,274 @@
+"""`embstore replay` and `embstore tune`: what-if runs of a trace through cache tiers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from embstore import costmodel, traces
+from embstore.belady import dedup_batches
+from embstore.config import PolicySpec, RowDType, parse_bytes
+from embstore.errors import ConfigError, InvalidInputError
+from embstore.rows import RowFormat
+from embstore.simulator import miss_ratio_curve, replay_keys, table_keys
+from embstore.tuning import POLICIES, tune
+
+
+def _policies(text: str) -> list[str]:
+    out = []
+    for p in text.split(","):
+        try:
+            out.append(str(PolicySpec.parse(p.strip())))
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return out
+
+
+def _capacities(text: str) -> list[int | float]:
+    out: list[int | float] = []
+    for part in text.split(","):
+        s = part.strip()
+        try:
+            v = int(s)
+            if v < 0:
+                raise ValueError
+            out.append(v)
+            continue
+        except ValueError:
+            pass
+        try:
+            f = float(s)
+        except ValueError:
+            f = -1.0
+        if not 0.0 < f <= 1.0:
+            raise argparse.ArgumentTypeError(f"capacity {s!r}: give a row count (integer >= 0) or a fraction "
+                                             "of unique ids in (0, 1]")
+        out.append(f)
+    return out
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonneg(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text, "budget")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser(
+        "replay", help="replay a trace through cache sizes and policies",
+        description="Replay a trace through one cache (per policy and capacity) over a home tier, with the "
+                    "store's own policy code, and print hit ratios with Belady's optimum beside them, bytes "
+                    "fetched from the home and the modelled time per batch (cost model: the saved calibration "
+                    "if any, else built-in figures). Accesses are deduplicated per batch, as the store "
+                    "reads each row of a lookup call once. One cache over all tables unless --per-table.",
+        epilog="example: embstore replay t.npz --policy lru,lfu --capacity 1000,0.05 --plot mrc.png")
+    r.add_argument("trace", help="trace file: .npz, Meta's .pt / .pt.gz, or .csv")
+    r.add_argument("--policy", type=_policies, default=["lru", "lfu", "clock", "lru+tinylfu"],
+                   help="comma-separated policies (default lru,lfu,clock,lru+tinylfu)")
+    r.add_argument("--capacity", type=_capacities, default=[0.01, 0.05, 0.1],
+                   help="comma-separated row counts or fractions of unique ids (default 0.01,0.05,0.1)")
+    r.add_argument("--per-table", action="store_true", help="one cache per table (as the store has)")
+    r.add_argument("--row-bytes", type=_positive, default=256, help="bytes per row (default 256)")
+    r.add_argument("--lookahead", type=_nonneg, default=0,
+                   help="batches known ahead for prefetch; reports demand misses left (default 0)")
+    r.add_argument("--home", choices=["ssd", "mmap", "rocksdb"], default="ssd",
+                   help="home tier for the modelled time (default ssd)")
+    r.add_argument("--batch-size", type=_positive, default=None, help="Meta's torch format: samples per batch")
+    r.add_argument("--json", action="store_true", help="one JSON record per line per policy and capacity")
+    r.add_argument("--plot", metavar="F.png", help="draw miss-ratio curves of each policy and Belady")
+    r.set_defaults(func=cmd_replay)
+
+    t = sub.add_parser(
+        "tune", help="recommend tiers and policies for a memory budget",
+        description="Size each table's caches on its own miss-ratio curve (greedy: bytes go where they buy "
+                    "the most hits per byte), pick the best policy per table, place the home (rocksdb for "
+                    "sparse id spaces, else ssd) and write the result as a store TOML.",
+        epilog="example: embstore tune t.npz --dram 2GiB --device 256MiB --dim 64 --out store.toml")
+    t.add_argument("trace", help="trace file")
+    t.add_argument("--dram", type=_bytes, required=True, help="DRAM budget, e.g. 2GiB")
+    t.add_argument("--device", type=_bytes, default=0, help="device (accelerator) budget, e.g. 256MiB")
+    t.add_argument("--row-bytes", type=_positive, default=None, help="bytes per row (float32: 4 x dim)")
+    t.add_argument("--dim", type=_positive, default=None, help="embedding dimension (default 64)")
+    t.add_argument("--dtype", choices=[d.value for d in RowDType], default="float32")
+    t.add_argument("--policy", type=_policies, default=list(POLICIES), help="candidate policies")
+    t.add_argument("--batch-size", type=_positive, default=None, help="Meta's torch format: samples per batch")
+    t.add_argument("--out", metavar="store.toml", help="write the recommended config here")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.set_defaults(func=cmd_tune)
+
+
+def _rows(cap: int | float, unique: int) -> int:
+    return int(cap) if isinstance(cap, int) else max(1, int(round(cap * unique)))
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    trace = traces.load(args.trace, batch_size=args.batch_size)
+    cost = costmodel.default_model()
+    groups: list[tuple[str, np.ndarray, np.ndarray]] = []
+    if args.per_table:
+        for i, name in enumerate(trace.table_names):
+            ids, off = table_keys(trace, i)
+            if ids.size and ids.min() < 0:
+                raise InvalidInputError(f"table {name!r} has negative ids; the store cannot look them up")
+            groups.append((name, *dedup_batches(ids, off)))
+    else:
+        keys, _ = traces.dense_keys(trace)
+        groups.append(("all", *dedup_batches(keys, trace.batch_offsets)))
+    records = []
+    total = len(groups) * len(args.policy) * len(args.capacity)
+    with tqdm(total=total, desc="replay", unit="run", disable=None, leave=False, file=sys.stderr) as bar:
+        for name, k, o in groups:
+            uniq = int(np.unique(k).size)
+            for pol in args.policy:
+                for cap in args.capacity:
+                    rows = _rows(cap, uniq)
+                    res = replay_keys(k, o, [(pol, rows)], row_bytes=args.row_bytes, lookahead=args.lookahead,
+                                      dedup=False)
+                    lv = res.levels[0]
+                    secs = cost.batch_seconds([("dram", lv.hits), (args.home, lv.misses)]) / max(1, res.batches)
+                    rec = {"policy": pol, "capacity_rows": rows, "accesses": res.accesses, "hits": lv.hits,
+                           "hit_ratio": lv.hit_ratio, "belady_hit_ratio": lv.belady_hit_ratio}
+                    if args.per_table:
+                        rec["table"] = name
+                    rec.update(bytes_read=lv.bytes_read, bytes_fetched=lv.bytes_in,
+                               modelled_seconds_per_batch=secs, lookahead=args.lookahead,
+                               demand_misses=res.demand_misses)
+                    records.append(rec)
+                    bar.update(1)
+    if args.json:
+        for rec in records:
+            print(json.dumps(rec))
+    else:
+        sys.stdout.write(_format_replay(records, args, cost))
+    if args.plot:
+        _plot(groups, args.policy, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmodel.CostModel) -> str:
+    src = "calibrated" if cost.measured else "built-in"
+    lines = [f"trace {args.trace}: accesses are per-batch deduplicated; modelled time: {src} costs, "
+             f"DRAM cache over {args.home}, {args.row_bytes} B rows"]
+    head = f"{'table':<12} {'policy':<12} {'capacity':>10} {'hit %':>7} {'belady %':>9} {'of MIN':>7} " \
+           f"{'fetched MiB':>12} {'ms/batch':>9}"
+    if args.lookahead:
+        head += f" {'demand miss':>12}"
+    lines.append(head)
+    for r in records:
+        share = r["hit_ratio"] / r["belady_hit_ratio"] if r["belady_hit_ratio"] else float("nan")
+        line = (f"{r.get('table', 'all'):<12} {r['policy']:<12} {r['capacity_rows']:>10,} "
+                f"{100 * r['hit_ratio']:7.2f} {100 * r['belady_hit_ratio']:9.2f} {100 * share:6.1f}% "
+                f"{r['bytes_fetched'] / 2**20:12.2f} {1e3 * r['modelled_seconds_per_batch']:9.3f}")
+        if args.lookahead:
+            line += f" {r['demand_misses']:>12,}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _plot(groups, policies: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if Path(path).suffix.lower() != ".png":
+        raise InvalidInputError(f"--plot writes a PNG; give a file name ending in .png, got {path!r}")
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    with tqdm(total=len(groups) * (len(policies) + 1), desc="curves", unit="curve", disable=None,
+              leave=False, file=sys.stderr) as bar:
+        for ax, (name, k, o) in zip(axes[0], groups):
+            uniq = max(1, int(np.unique(k).size))
+            caps = np.unique(np.geomspace(1, uniq, num=24).astype(np.int64))
+            n = max(1, k.size)
+            for pol in [*policies, "belady"]:
+                hits = miss_ratio_curve(k, o, caps, pol, dedup=False)
+                ax.plot(caps, 1 - hits / n, label=pol, linestyle="--" if pol == "belady" else "-")
+                bar.update(1)
+            ax.set_xscale("log")
+            ax.set_xlabel("cache capacity (rows)")
+            ax.set_ylabel("miss ratio")
+            ax.set_title(f"miss-ratio curves: {name}")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    trace = traces.load(args.trace, batch_size=args.batch_size)
+    if args.row_bytes is not None and args.dim is not None:
+        raise InvalidInputError("give --row-bytes or --dim (with --dtype), not both")
+    if args.row_bytes is not None:
+        if args.dtype != "float32" or args.row_bytes % 4:
+            raise InvalidInputError("--row-bytes means float32 rows of row_bytes/4 values: give a multiple of 4 "
+                                    "(or use --dim with --dtype)")
+        dim = args.row_bytes // 4
+    else:
+        dim = args.dim or 64
+    row_bytes = RowFormat(dim, RowDType(args.dtype)).row_bytes
+    cost = costmodel.default_model()
+    with tqdm(total=trace.num_tables, desc="tune", unit="table", disable=None, leave=False, file=sys.stderr) as bar:
+        res = tune(trace, args.dram, args.device, row_bytes=row_bytes, dim=dim, dtype=args.dtype,
+                   policies=args.policy, cost=cost, progress=bar.update)
+    cfg = res.config()
+    if args.out:
+        Path(args.out).write_text(cfg.to_toml())
+    tot = res.totals()
+    dev_used, dram_used = res.used_bytes()
+    if args.json:
+        print(json.dumps({"trace": args.trace, "out": args.out, "row_bytes": row_bytes,
+                          "device_bytes_used": dev_used, "dram_bytes_used": dram_used, **tot,
+                          "tables": [{"name": p.name, "accesses": p.accesses, "unique_rows": p.unique_rows,
+                                      "bandwidth_per_byte": p.bandwidth_per_byte, "home": p.home,
+                                      "device_rows": p.device_rows, "device_policy": p.device_policy,
+                                      "dram_rows": p.dram_rows, "dram_policy": p.dram_policy}
+                                     for p in res.tables]}))
+        return 0
+    lines = [f"{'table':<14} {'acc/byte':>9} {'device rows':>12} {'policy':<12} {'dram rows':>10} {'policy':<12} "
+             f"{'home':<8} {'hit %':>6}"]
+    for p in res.tables:
+        hits = sum(lv.hits for lv in p.result.levels) if p.result else 0
+        lines.append(f"{p.name:<14} {p.bandwidth_per_byte:9.3g} {p.device_rows:>12,} "
+                     f"{p.device_policy if p.device_rows else '-':<12} {p.dram_rows:>10,} "
+                     f"{p.dram_policy if p.dram_rows else '-':<12} {p.home:<8} "
+                     f"{100 * hits / max(1, p.accesses):6.2f}")
+    lines += [
+        f"budget used  device {dev_used:,} of {args.device:,} B, DRAM {dram_used:,} of {args.dram:,} B",
+        f"expected     device hits {100 * tot['device_hit_ratio']:.2f}%, DRAM hits {100 * tot['dram_hit_ratio']:.2f}%,"
+        f" all caches {100 * tot['cache_hit_ratio']:.2f}% of deduplicated accesses",
+        f"modelled     {1e3 * tot['seconds_per_batch']:.3f} ms/batch vs all-DRAM "
+        f"{1e3 * tot['all_dram_seconds_per_batch']:.3f} ms/batch "
+        f"({'calibrated' if cost.measured else 'built-in'} costs)",
+    ]
+    if args.out:
+        lines.append(f"wrote {args.out}")
+    print("\n".join(lines))
+    return 0

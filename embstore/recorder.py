@@ -1,0 +1,76 @@
+"""Capture a store's real read traffic as a trace, so ``embstore replay`` can replay it.
+
+Off by default: nothing is recorded unless a :class:`TraceRecorder` is attached.
+Each read that reaches a table's tier hierarchy (one lookup call: its unique
+physical row ids, in the order the tiers see them) becomes one batch of the
+trace, tagged with the table's index in ``store.tables``. Replaying the saved
+trace with ``per_table=True`` and the store's tier sizes reproduces the store's
+per-tier hit counts. Calls served by a full-table DRAM fast path bypass the
+hierarchy; while a recorder is attached the table takes the normal path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from embstore.traces import Trace, save
+
+__all__ = ["TraceRecorder", "record"]
+
+
+class TraceRecorder:
+    """Collects ``(table index, row ids)`` per read call; :meth:`trace` builds the :class:`Trace`."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.names = tuple(store.tables)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self._ids: list[np.ndarray] = []
+        self._tab: list[int] = []
+        self._lock = threading.Lock()
+        self._attached = False
+
+    def __call__(self, table_name: str, rows: np.ndarray) -> None:
+        with self._lock:
+            self._ids.append(np.array(rows, dtype=np.int64, copy=True).reshape(-1))
+            self._tab.append(self._index[table_name])
+
+    def attach(self) -> "TraceRecorder":
+        for t in self.store.tables.values():
+            t.recorder = self
+        self._attached = True
+        return self
+
+    def detach(self) -> None:
+        if self._attached:
+            for t in self.store.tables.values():
+                if t.recorder is self:
+                    t.recorder = None
+            self._attached = False
+
+    def trace(self) -> Trace:
+        with self._lock:
+            lens = np.array([a.size for a in self._ids], np.int64)
+            ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
+            table = np.repeat(np.array(self._tab, np.int32), lens)
+        off = np.zeros(lens.size + 1, np.int64)
+        np.cumsum(lens, out=off[1:])
+        return Trace(ids, table, off, self.names)
+
+
+@contextmanager
+def record(store: Any, path: str | os.PathLike[str] | None = None) -> Iterator[TraceRecorder]:
+    """Record every read of ``store`` inside the block; save the trace (npz) to ``path`` on exit."""
+    rec = TraceRecorder(store).attach()
+    try:
+        yield rec
+    finally:
+        rec.detach()
+        if path is not None:
+            save(rec.trace(), path)

@@ -1,0 +1,227 @@
+"""Replay a trace through cache tiers with the store's own policy kernel.
+
+What the store does on a read, per table and per call (``embstore.hierarchy``):
+the ids are deduplicated (first-occurrence order), level 0's directory sees
+them in order, and the misses of level ``i`` -- in order, as one batch -- are
+what level ``i + 1`` sees; the home serves the misses of the last cache. The
+simulator does exactly that with :func:`embstore.policies.simulate` (the numba
+kernel the cache tiers run), so its hit counts are the store's hit counts.
+
+An *access* here is a deduplicated one: a row looked up several times in one
+batch is one access (the store reads it once).
+
+Look-ahead prefetch model (``lookahead=k``): while batch ``j - k`` runs, the
+rows of batch ``j`` are known and fetched ahead into level 0. That works only
+while the cache holds the look-ahead window ``W_j`` = the distinct rows of
+batches ``j-k .. j``. So batch ``j``'s demand misses (the ones a lookup waits
+for) are ``min(misses_j, max(0, |W_j| - C))`` for ``j >= k`` (rows of the window
+that do not fit cannot be staged), and all its misses for ``j < k`` (nothing was
+known ahead). ``k = 0`` gives demand misses = misses. Bytes fetched from below
+are the same with or without prefetch; only the waiting changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from embstore.arrays import Ids
+from embstore.belady import belady_hits, belady_mrc, dedup_batches
+from embstore.config import PolicySpec
+from embstore.errors import InvalidInputError
+from embstore.policies import simulate
+from embstore.stackdist import lru_mrc
+from embstore.traces import Trace, dense_keys
+
+__all__ = ["LevelResult", "ReplayResult", "demand_misses", "miss_ratio_curve", "replay", "replay_keys",
+           "replay_trace", "table_keys", "window_unique"]
+
+Offsets = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """One cache level's outcome. ``bytes_read``: bytes served from this level
+    (hits); ``bytes_in``: bytes fetched into it from below (misses)."""
+
+    policy: str
+    capacity_rows: int
+    accesses: int
+    hits: int
+    misses: int
+    hit_ratio: float
+    bytes_read: int
+    bytes_in: int
+    belady_hits: int  # MIN with this capacity alone over the level-0 access sequence
+    belady_hit_ratio: float
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """A whole hierarchy's outcome over one key sequence."""
+
+    accesses: int  # deduplicated accesses seen by level 0
+    batches: int
+    levels: tuple[LevelResult, ...]
+    home_reads: int  # misses of the last cache (= accesses when there is no cache)
+    demand_misses: int  # misses of level 0 left after look-ahead prefetch (see module doc)
+    lookahead: int
+    row_bytes: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _levels(levels: Sequence[tuple[PolicySpec | str, int]]) -> list[tuple[PolicySpec, int]]:
+    out = []
+    for i, lv in enumerate(levels):
+        if not isinstance(lv, (tuple, list)) or len(lv) != 2:
+            raise InvalidInputError(f"level {i} must be a (policy, capacity_rows) pair, got {lv!r}")
+        pol, cap = lv
+        spec = PolicySpec.parse(pol, f"levels[{i}].policy")
+        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0:
+            raise InvalidInputError(f"level {i}: capacity_rows must be an integer >= 0, got {cap!r}")
+        out.append((spec, int(cap)))
+    return out
+
+
+def simulate_level(keys: Ids, offsets: Offsets, policy: PolicySpec, capacity: int) -> npt.NDArray[np.bool_]:
+    """Per-access hit mask of one cache level (capacity 0: no cache, every access misses)."""
+    if capacity == 0 or keys.size == 0:
+        return np.zeros(keys.size, np.bool_)
+    return simulate(keys, offsets, capacity, policy)
+
+
+def _next_offsets(mask: npt.NDArray[np.bool_], offsets: Offsets) -> Offsets:
+    """Batch offsets of the subsequence ``keys[mask]`` (each batch stays one batch)."""
+    cum = np.zeros(mask.size + 1, np.int64)
+    np.cumsum(mask, out=cum[1:])
+    return cum[offsets]
+
+
+def window_unique(keys: Ids, offsets: Offsets, k: int) -> npt.NDArray[np.int64]:
+    """Per batch ``j``: distinct keys of batches ``max(0, j-k) .. j`` (keys unique within a batch).
+
+    An access in batch ``b`` whose key was last seen in batch ``p`` is new to
+    the windows ending at ``j`` in ``[max(b, p + k + 1), b + k]``; a difference
+    array over ``j`` sums those (vectorised, O(n log n) for the sort).
+    """
+    nb = offsets.size - 1
+    out = np.zeros(nb + 1, np.int64)
+    if keys.size == 0 or nb == 0:
+        return out[:nb]
+    batch = np.repeat(np.arange(nb, dtype=np.int64), np.diff(offsets))
+    order = np.argsort(keys, kind="stable")
+    prev_b = np.full(keys.size, -k - 1, np.int64)
+    same = keys[order[1:]] == keys[order[:-1]]
+    prev_b[order[1:][same]] = batch[order[:-1][same]]
+    lo = np.maximum(batch, prev_b + k + 1)
+    hi = np.minimum(batch + k, nb - 1)
+    ok = lo <= hi
+    np.add.at(out, lo[ok], 1)
+    np.add.at(out, hi[ok] + 1, -1)
+    return np.cumsum(out)[:nb]
+
+
+def demand_misses(keys: Ids, offsets: Offsets, miss: npt.NDArray[np.bool_], capacity: int, k: int) -> int:
+    """Level-0 misses a lookup still waits for under k-batch look-ahead prefetch (module doc)."""
+    cum = np.zeros(miss.size + 1, np.int64)
+    np.cumsum(miss, out=cum[1:])
+    per_batch = np.diff(cum[offsets])
+    if k <= 0:
+        return int(per_batch.sum())
+    w = window_unique(keys, offsets, k)
+    staged_short = np.maximum(0, w - capacity)
+    demand = np.minimum(per_batch, staged_short)
+    demand[:k] = per_batch[:k]
+    return int(demand.sum())
+
+
+def replay_keys(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[PolicySpec | str, int]], *,
+                row_bytes: int = 0, lookahead: int = 0, belady: bool = True, dedup: bool = True) -> ReplayResult:
+    """Replay a key sequence (any int64 keys >= 0) through cache ``levels`` (fastest first) over a home."""
+    lv = _levels(levels)
+    if lookahead < 0:
+        raise InvalidInputError(f"lookahead must be >= 0 batches, got {lookahead}")
+    keys = np.ascontiguousarray(keys, np.int64)
+    off = np.ascontiguousarray(batch_offsets, np.int64)
+    if dedup:
+        keys, off = dedup_batches(keys, off)
+    k0, off0 = keys, off
+    results = []
+    miss0 = np.ones(keys.size, np.bool_)
+    for i, (spec, cap) in enumerate(lv):
+        hit = simulate_level(keys, off, spec, cap)
+        if i == 0:
+            miss0 = ~hit
+        n, h = int(keys.size), int(hit.sum())
+        bh = belady_hits(k0, cap) if belady and cap > 0 and k0.size else 0
+        results.append(LevelResult(str(spec), cap, n, h, n - h, h / n if n else 0.0, h * row_bytes,
+                                   (n - h) * row_bytes, bh, bh / k0.size if k0.size else 0.0))
+        off = _next_offsets(~hit, off)
+        keys = keys[~hit]
+    cap0 = lv[0][1] if lv else 0
+    dm = demand_misses(k0, off0, miss0, cap0, lookahead) if lv else int(k0.size)
+    return ReplayResult(int(k0.size), int(off0.size - 1), tuple(results), int(keys.size), dm, lookahead, row_bytes)
+
+
+def table_keys(trace: Trace, table: int) -> tuple[Ids, Offsets]:
+    """One table's accesses (ids) and batch offsets: what that table's own hierarchy sees."""
+    sel = trace.table == table
+    return trace.ids[sel], _next_offsets(sel, trace.batch_offsets)
+
+
+def replay_trace(trace: Trace, levels: Sequence[tuple[PolicySpec | str, int]], *, per_table: bool = False,
+                 row_bytes: int = 0, lookahead: int = 0, belady: bool = True) -> dict[str, ReplayResult]:
+    """Replay a trace: ``{"all": result}`` for one cache over every table (rows are
+    ``(table, id)`` pairs), or ``{table_name: result}`` with ``per_table`` (each
+    table its own hierarchy of the given sizes, as in the store)."""
+    if not per_table:
+        keys, _ = dense_keys(trace)
+        return {"all": replay_keys(keys, trace.batch_offsets, levels, row_bytes=row_bytes,
+                                   lookahead=lookahead, belady=belady)}
+    out = {}
+    for t, name in enumerate(trace.table_names):
+        ids, off = table_keys(trace, t)
+        if ids.size and ids.min() < 0:
+            raise InvalidInputError(f"table {name!r} has negative ids; the store cannot look them up")
+        out[name] = replay_keys(ids, off, levels, row_bytes=row_bytes, lookahead=lookahead, belady=belady)
+    return out
+
+
+replay = replay_trace
+
+
+def miss_ratio_curve(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLike, policy: PolicySpec | str,
+                     *, dedup: bool = True, progress: Any = None) -> npt.NDArray[np.int64]:
+    """Hits of a single cache at each capacity (rows). ``policy`` "belady" gives MIN;
+    plain LRU takes one stack-distance pass; the others one simulate per capacity."""
+    caps = np.asarray(capacities, np.int64)
+    if caps.ndim != 1 or (caps.size and caps.min() < 0):
+        raise InvalidInputError("capacities must be a 1-D array of row counts >= 0")
+    keys = np.ascontiguousarray(keys, np.int64)
+    off = np.ascontiguousarray(batch_offsets, np.int64)
+    if dedup:
+        keys, off = dedup_batches(keys, off)
+    if isinstance(policy, str) and policy.strip().lower() == "belady":
+        out = belady_mrc(keys, caps)
+        if progress is not None:
+            progress(caps.size)
+        return out
+    spec = PolicySpec.parse(policy)
+    if str(spec) == "lru":
+        out = lru_mrc(keys, caps)
+        if progress is not None:
+            progress(caps.size)
+        return out
+    out = np.zeros(caps.size, np.int64)
+    for j, c in enumerate(caps.tolist()):
+        out[j] = int(simulate_level(keys, off, spec, int(c)).sum())
+        if progress is not None:
+            progress(1)
+    return out

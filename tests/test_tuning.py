@@ -1,0 +1,102 @@
+"""tune: budget, TOML, sparse homes; replay/tune CLI output and errors; cost model JSON."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from embstore import costmodel, tracegen, traces
+from embstore.cli import main
+from embstore.config import StoreConfig
+from embstore.tuning import allocate, tune
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tr") / "t.npz"
+    traces.save(tracegen.generate(zipf_alpha=1.0, batches=10, batch_size=300, tables=3, ids=5000, seed=2), p)
+    return p
+
+
+def test_allocate_greedy_matches_bruteforce():
+    caps = np.array([0, 10, 20, 40])
+    curves = [(caps, np.array([0, 50, 60, 65])), (caps, np.array([0, 5, 30, 100]))]
+    pos = allocate(curves, 50, 1)
+    assert sum(caps[i] for i in pos) <= 50
+    best = max(curves[0][1][i] + curves[1][1][j] for i in range(4) for j in range(4) if caps[i] + caps[j] <= 50)
+    assert curves[0][1][pos[0]] + curves[1][1][pos[1]] == best  # (10, 40): 150
+
+
+def test_tune_respects_budget_and_loads(trace_path, tmp_path):
+    tr = traces.load(trace_path)
+    res = tune(tr, 64 << 10, 8 << 10, row_bytes=64)
+    dev, dram = res.used_bytes()
+    assert dev <= 8 << 10 and dram <= 64 << 10
+    cfg = StoreConfig.from_toml(res.config().to_toml())
+    assert [t.name for t in cfg.tables] == list(tr.table_names)
+    for t, p in zip(cfg.tables, res.tables):
+        assert t.tiers[-1].kind.value == "ssd"
+        assert sum(x.capacity for x in t.tiers[:-1] if x.kind.value == "dram") == p.dram_rows * 64
+    tot = res.totals()
+    assert 0 <= tot["cache_hit_ratio"] <= 1
+
+
+def test_sparse_ids_get_rocksdb():
+    ids = np.array([5, 1 << 40, 7, 1 << 40, 5], np.int64)
+    tr = traces.Trace(ids, np.zeros(5, np.int32), np.array([0, 2, 5]))
+    res = tune(tr, 1 << 20, row_bytes=16)
+    assert res.tables[0].home == "rocksdb"
+    assert StoreConfig.from_toml(res.config().to_toml()).tables[0].tiers[-1].kind.value == "rocksdb"
+
+
+def test_replay_cli_json_and_plot(trace_path, tmp_path, capsys):
+    png = tmp_path / "mrc.png"
+    assert main(["replay", str(trace_path), "--policy", "lru,lfu", "--capacity", "100,0.05", "--json",
+                 "--plot", str(png)]) == 0
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(recs) == 4
+    for r in recs:
+        assert {"policy", "capacity_rows", "accesses", "hits", "hit_ratio", "belady_hit_ratio"} <= set(r)
+        assert r["hits"] / r["accesses"] == pytest.approx(r["hit_ratio"])
+        assert r["hit_ratio"] <= r["belady_hit_ratio"] + 1e-12
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["replay", str(trace_path), "--per-table", "--capacity", "50", "--lookahead", "1"]) == 0
+    assert "table_2" in capsys.readouterr().out
+
+
+def test_tune_cli_writes_toml(trace_path, tmp_path, capsys):
+    out = tmp_path / "store.toml"
+    assert main(["tune", str(trace_path), "--dram", "64KiB", "--device", "8KiB", "--dim", "16",
+                 "--out", str(out)]) == 0
+    assert "all-DRAM" in capsys.readouterr().out
+    assert len(StoreConfig.from_toml(out).tables) == 3
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "/nonexistent.npz"],
+    ["tune", "/nonexistent.npz", "--dram", "1MiB"],
+])
+def test_cli_errors_one_line(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error" in err
+
+
+def test_cli_bad_args_exit_2(trace_path, capsys):
+    for argv in (["replay", str(trace_path), "--capacity", "2.5"], ["replay", str(trace_path), "--policy", "fifo"],
+                 ["tune", str(trace_path), "--dram", "lots"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+    assert main(["tune", str(trace_path), "--dram", "1MiB", "--dim", "8", "--row-bytes", "32"]) == 2
+
+
+def test_costmodel_roundtrip_and_model(tmp_path):
+    m = costmodel.calibrate(rows=2048, batch=256, reps=1, rocksdb=False)
+    p = costmodel.save(m, tmp_path / "c.json")
+    back = costmodel.load(p)
+    assert back == m and back.measured
+    assert back.batch_seconds({"dram": 1000}) == pytest.approx(1000 * back.dram_ns_per_row * 1e-9)
+    assert back.ns_per_row("ssd", 16) == pytest.approx(1e9 / back.ssd_iops[8])
