@@ -18,6 +18,7 @@ import builtins
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -116,6 +117,36 @@ class Store:
         self.tables[cfg.name] = table
         log.info("created table %s in %s", cfg.name, self.path)
         return table
+
+    def ensure_state_dim(self, name: str, state_dim: int) -> Table:
+        """Give table ``name`` room for ``state_dim`` float32 optimizer-state columns beside each row.
+
+        Training calls this so that one tier read or write moves a row and its
+        optimizer state together. A table that already has that layout is
+        returned as is; an empty table (nothing ever written) is re-laid out in
+        place; a table holding rows in another layout is refused rather than
+        silently dropping its state (export and re-import it instead).
+        """
+        self._check_open()
+        table = self[name]
+        if table.format.state_dim == state_dim:
+            return table
+        if state_dim < 0:
+            raise ValueError(f"state_dim must be >= 0, got {state_dim}")
+        if any(t.resident_rows for t in table.hierarchy.tiers):
+            raise TableExistsError(
+                f"table {name!r} holds rows with {table.format.state_dim} optimizer-state columns; training with "
+                f"this optimizer needs {state_dim}. Export its rows (embstore export), create a new store, and "
+                "import them before training")
+        table.close()
+        shutil.rmtree(self.path / self._manifest["tables"][name]["dir"], ignore_errors=True)
+        manifest = json.loads(json.dumps(self._manifest))
+        manifest["tables"][name]["state_dim"] = state_dim
+        _write_metadata(self.path, self.config, manifest)
+        self._manifest = manifest
+        self.tables[name] = self._open_table(table.config)
+        log.info("table %s now stores %d optimizer-state columns per row", name, state_dim)
+        return self.tables[name]
 
     # --- lifecycle -------------------------------------------------------------------
     def flush(self) -> None:

@@ -171,6 +171,19 @@ class Table:
             self._check_open()
             self.hierarchy.write(rows, self.format.encode(values))
 
+    def read_with_state(self, rows: Ids) -> tuple[np.ndarray, np.ndarray]:
+        """(float32 (n, physical dim), float32 optimizer state (n, state_dim)) of unique physical rows."""
+        with self._lock:
+            self._check_open()
+            data = self.hierarchy.read(rows)
+            return self.format.decode(data), self.format.decode_state(data)
+
+    def write_with_state(self, rows: Ids, values: np.ndarray, state: np.ndarray) -> None:
+        """Write unique physical rows together with their optimizer state (one tier write for both)."""
+        with self._lock:
+            self._check_open()
+            self.hierarchy.write(rows, self.format.encode(values, state))
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier (keyed by kind, fastest first): hits, misses, evictions, bytes moved, occupancy."""
         out: dict[str, dict[str, int]] = {}

@@ -172,3 +172,18 @@ def test_store_lifecycle_errors(tmp_path) -> None:
     (tmp_path / "s" / "manifest.json").write_text("{not json")
     with pytest.raises(embstore.CorruptStoreError, match="manifest.json"):
         embstore.open(tmp_path / "s")
+
+
+def test_optimizer_state_lives_beside_rows(tmp_path) -> None:
+    cfg = TableConfig("t", 50, 4, dtype="float16", tiers=(TierConfig("dram", 100, "lru"), TierConfig("ssd")))
+    store = embstore.create(tmp_path / "s", StoreConfig((cfg,)))
+    t = store.ensure_state_dim("t", 2)
+    assert t.format.row_bytes == 4 * 2 + 2 * 4
+    ids = np.arange(10, dtype=np.int64)
+    t.write_with_state(ids, np.full((10, 4), 0.5, np.float32), np.arange(20, dtype=np.float32).reshape(10, 2))
+    store.close()
+    with embstore.open(tmp_path / "s") as store:
+        vals, state = store["t"].read_with_state(ids[::-1].copy())
+        assert (vals == 0.5).all() and state[:, 0].tolist() == list(range(18, -1, -2))
+        with pytest.raises(embstore.TableExistsError, match="optimizer-state"):
+            store.ensure_state_dim("t", 1)
