@@ -20,7 +20,7 @@ from embstore.belady import belady_hits, dedup_batches
 from embstore.simulator import miss_ratio_curve
 from embstore.traces import dense_keys
 
-POLICIES = ("lru", "lfu", "clock", "lru+tinylfu")
+POLICIES = ("lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu")
 FRACTIONS = (0.01, 0.05, 0.10)
 
 
