@@ -37,10 +37,20 @@ Why:
   ``flush()`` msyncs the mapping, persists the bitmap with the next generation
   number (which retires the journal's records) and truncates the journal.
   A journal larger than :data:`JOURNAL_LIMIT` triggers a flush by itself.
+- **Limits**: the journal lives in the page cache (it is not fsynced per put),
+  so the no-tear promise covers a killed process, not a power cut: after a power
+  cut or an EIO, a row *overwritten* since the last flush may be half written
+  when both its writeback and its journal record were lost. Rows committed by
+  the last flush and not overwritten since are always intact. An EIO from msync
+  or the bitmap write is raised as :class:`TierIOError` and the last committed
+  bitmap stays in force: close, repair the disk, reopen.
+- One process, one thread: a ``LOCK`` file (flock) keeps a second tier off the
+  directory; calls on one tier are not synchronised.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -52,7 +62,13 @@ from typing import Any
 import numpy as np
 
 from embstore.arrays import Ids, Mask, RowBytes, as_ids
-from embstore.errors import CorruptStoreError, IdOutOfRangeError, StoreClosedError, tier_io_error
+from embstore.errors import (
+    CorruptStoreError,
+    IdOutOfRangeError,
+    StoreClosedError,
+    TierIOError,
+    tier_io_error,
+)
 from embstore.tiers.base import Tier
 
 ROWS_FILE = "rows.bin"
@@ -82,6 +98,8 @@ def _write_all(fd: int, buffers: list[Any], offset: int) -> int:
     total = 0
     while views:
         n = os.pwritev(fd, views, offset + total)
+        if n == 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
         total += n
         while views and n >= len(views[0]):
             n -= len(views[0])
@@ -366,8 +384,13 @@ class MmapTier(Tier):
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
+        """Bound the journal. A failure here is not the put's: the put is journaled and
+        applied, so it is not raised; the next explicit flush() (or append) reports it."""
         if self._journal_size > JOURNAL_LIMIT:
-            self.flush()
+            try:
+                self.flush()
+            except TierIOError:
+                pass
 
     def flush(self) -> None:
         """msync the rows, then commit the bitmap atomically; the journal is then retired."""
@@ -396,7 +419,10 @@ class MmapTier(Tier):
     def _release(self) -> None:
         self._rows = None  # the array exports the mmap's buffer; drop it before closing
         if self._mmap is not None:
-            self._mmap.close()
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # someone still holds a view of the rows: unmapped when it is freed
             self._mmap = None
         for fd in (self._journal_fd, self._lock_fd):
             if fd >= 0:

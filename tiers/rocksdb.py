@@ -34,6 +34,7 @@ from itertools import repeat
 from typing import Any, Callable
 
 import numpy as np
+import rocksdict
 
 from embstore.arrays import Ids, Mask, RowBytes, as_ids
 from embstore.errors import (
@@ -44,11 +45,6 @@ from embstore.errors import (
     tier_io_error,
 )
 from embstore.tiers.base import Tier
-
-try:  # rocksdict is a dependency; import lazily-failing for a clear message
-    import rocksdict
-except ImportError as _exc:  # pragma: no cover
-    raise ImportError("the rocksdb tier needs the 'rocksdict' package") from _exc
 
 COMPRESSIONS = ("none", "snappy", "lz4", "lz4hc", "zstd", "zlib", "bz2")
 _BLOOM_BITS_PER_KEY = 10  # ~1% false positives: misses rarely touch a data block
@@ -75,6 +71,9 @@ class RocksDBTier(Tier):
     block_cache:  bytes of RocksDB's LRU block cache (uncompressed data blocks).
     write_buffer: bytes of one memtable before it is flushed to an SST file.
     compression:  one of :data:`COMPRESSIONS`; rows of floats compress poorly, so "none".
+
+    ``resident_rows`` is RocksDB's key estimate; ``capacity_rows`` is 0 (unbounded).
+    Negative ids raise :class:`IdOutOfRangeError`; every id in ``[0, 2**63)`` is valid.
     """
 
     kind = "rocksdb"

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from embstore.commands.argtypes import byte_size, nonneg_int, positive_int
 from embstore import costmodel, traces
 from embstore.belady import dedup_batches
 from embstore.config import PolicySpec, RowDType, parse_bytes
@@ -52,33 +53,6 @@ def _capacities(text: str) -> list[int | float]:
     return out
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _nonneg(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _bytes(text: str) -> int:
-    try:
-        return parse_bytes(text, "budget")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser(
         "replay", help="replay a trace through cache sizes and policies",
@@ -94,12 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--capacity", type=_capacities, default=[0.01, 0.05, 0.1],
                    help="comma-separated row counts or fractions of unique ids (default 0.01,0.05,0.1)")
     r.add_argument("--per-table", action="store_true", help="one cache per table (as the store has)")
-    r.add_argument("--row-bytes", type=_positive, default=256, help="bytes per row (default 256)")
-    r.add_argument("--lookahead", type=_nonneg, default=0,
+    r.add_argument("--row-bytes", type=positive_int, default=256, help="bytes per row (default 256)")
+    r.add_argument("--lookahead", type=nonneg_int, default=0,
                    help="batches known ahead for prefetch; reports demand misses left (default 0)")
     r.add_argument("--home", choices=["ssd", "mmap", "rocksdb"], default="ssd",
                    help="home tier for the modelled time (default ssd)")
-    r.add_argument("--batch-size", type=_positive, default=None, help="Meta's torch format: samples per batch")
+    r.add_argument("--batch-size", type=positive_int, default=None, help="Meta's torch format: samples per batch")
     r.add_argument("--json", action="store_true", help="one JSON record per line per policy and capacity")
     r.add_argument("--plot", metavar="F.png", help="draw miss-ratio curves of each policy and Belady")
     r.set_defaults(func=cmd_replay)
@@ -111,13 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "sparse id spaces, else ssd) and write the result as a store TOML.",
         epilog="example: embstore tune t.npz --dram 2GiB --device 256MiB --dim 64 --out store.toml")
     t.add_argument("trace", help="trace file")
-    t.add_argument("--dram", type=_bytes, required=True, help="DRAM budget, e.g. 2GiB")
-    t.add_argument("--device", type=_bytes, default=0, help="device (accelerator) budget, e.g. 256MiB")
-    t.add_argument("--row-bytes", type=_positive, default=None, help="bytes per row (float32: 4 x dim)")
-    t.add_argument("--dim", type=_positive, default=None, help="embedding dimension (default 64)")
+    t.add_argument("--dram", type=byte_size, required=True, help="DRAM budget, e.g. 2GiB")
+    t.add_argument("--device", type=byte_size, default=0, help="device (accelerator) budget, e.g. 256MiB")
+    t.add_argument("--row-bytes", type=positive_int, default=None, help="bytes per row (float32: 4 x dim)")
+    t.add_argument("--dim", type=positive_int, default=None, help="embedding dimension (default 64)")
     t.add_argument("--dtype", choices=[d.value for d in RowDType], default="float32")
     t.add_argument("--policy", type=_policies, default=list(POLICIES), help="candidate policies")
-    t.add_argument("--batch-size", type=_positive, default=None, help="Meta's torch format: samples per batch")
+    t.add_argument("--batch-size", type=positive_int, default=None, help="Meta's torch format: samples per batch")
     t.add_argument("--out", metavar="store.toml", help="write the recommended config here")
     t.add_argument("--json", action="store_true", help="print one JSON object")
     t.set_defaults(func=cmd_tune)

@@ -8,28 +8,9 @@ import sys
 
 from tqdm import tqdm
 
+from embstore.commands.argtypes import nonneg_int, positive_int
 from embstore import tracegen, traces
 from embstore.errors import InvalidInputError
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,13 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                "--out t.npz")
     g.add_argument("--like", choices=sorted(tracegen.PROFILES), help="published statistics to reproduce")
     g.add_argument("--zipf", type=float, metavar="ALPHA", help="Zipf exponent of id popularity (>= 0)")
-    g.add_argument("--batches", type=_positive, default=10, help="number of batches (default 10)")
-    g.add_argument("--batch-size", type=_positive, default=4096, help="samples per batch (default 4096)")
-    g.add_argument("--tables", type=_positive, default=8, help="number of tables (default 8)")
-    g.add_argument("--pooling", type=_positive, default=1, help="lookups per sample per table (default 1)")
-    g.add_argument("--ids", type=_positive, default=1_000_000, help="id space per table: ids lie in [0, IDS) "
+    g.add_argument("--batches", type=positive_int, default=10, help="number of batches (default 10)")
+    g.add_argument("--batch-size", type=positive_int, default=4096, help="samples per batch (default 4096)")
+    g.add_argument("--tables", type=positive_int, default=8, help="number of tables (default 8)")
+    g.add_argument("--pooling", type=positive_int, default=1, help="lookups per sample per table (default 1)")
+    g.add_argument("--ids", type=positive_int, default=1_000_000, help="id space per table: ids lie in [0, IDS) "
                                                               "(default 1000000)")
-    g.add_argument("--seed", type=_seed, default=0, help="random seed; same arguments, same trace (default 0)")
+    g.add_argument("--seed", type=nonneg_int, default=0, help="random seed; same arguments, same trace (default 0)")
     g.add_argument("--out", required=True, metavar="F.npz", help="output trace file")
     g.set_defaults(func=cmd_gen)
 
@@ -73,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "reuse distances (distinct other rows between successive accesses of a row, on the "
                     "per-batch deduplicated sequence: an LRU cache of C rows hits when the distance < C).")
     s.add_argument("trace", help="trace file: .npz, Meta's .pt / .pt.gz, or .csv")
-    s.add_argument("--batch-size", type=_positive, default=None,
+    s.add_argument("--batch-size", type=positive_int, default=None,
                    help="for Meta's torch format: samples per batch (default: the whole file is one batch)")
     s.add_argument("--no-reuse-distance", action="store_true",
                    help="skip the reuse-distance pass (O(n log n)) on very large traces")

@@ -1,0 +1,44 @@
+"""argparse ``type=`` converters shared by the verbs: a bad value is a one-line usage error."""
+
+from __future__ import annotations
+
+import argparse
+
+from embstore.config import parse_bytes
+from embstore.errors import ConfigError
+
+
+def _integer(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
+
+
+def nonneg_int(text: str) -> int:
+    return _integer(text, 0, "an integer >= 0")
+
+
+def nonneg_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """``2GiB``, ``256MiB``, ``6400``."""
+    try:
+        return parse_bytes(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
