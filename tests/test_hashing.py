@@ -14,8 +14,6 @@ import json
 import math
 import subprocess
 import sys
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest

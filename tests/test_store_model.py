@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig

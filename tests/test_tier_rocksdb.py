@@ -10,9 +10,7 @@ database handle.
 from __future__ import annotations
 
 import errno
-import os
 import random
-import shutil
 import signal
 import subprocess
 import sys

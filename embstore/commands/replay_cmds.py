@@ -13,7 +13,7 @@ from tqdm import tqdm
 from embstore.commands.argtypes import byte_size, nonneg_int, positive_int
 from embstore import costmodel, traces
 from embstore.belady import dedup_batches
-from embstore.config import PolicySpec, RowDType, parse_bytes
+from embstore.config import PolicySpec, RowDType
 from embstore.errors import ConfigError, InvalidInputError
 from embstore.rows import RowFormat
 from embstore.simulator import miss_ratio_curve, replay_keys, table_keys
