@@ -115,5 +115,12 @@ class Hierarchy:
         return [t.stats() for t in self.tiers]
 
     def close(self) -> None:
+        """Release every tier, even when one fails to close (the first error is raised)."""
+        first: Exception | None = None
         for t in self.tiers:
-            t.close()
+            try:
+                t.close()
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                first = first or exc
+        if first is not None:
+            raise first

@@ -158,9 +158,15 @@ class Store:
     def close(self) -> None:
         if self._closed:
             return
-        for t in self.tables.values():
-            t.close()
         self._closed = True
+        first: Exception | None = None
+        for t in self.tables.values():  # close every table even when one fails
+            try:
+                t.close()
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _check_open(self) -> None:
         if self._closed:

@@ -202,10 +202,13 @@ class Table:
 
     def close(self) -> None:
         with self._lock:
-            if not self._closed:
+            if self._closed:
+                return
+            self._closed = True
+            try:
                 self.hierarchy.flush()
+            finally:
                 self.hierarchy.close()
-                self._closed = True
 
     def __repr__(self) -> str:
         tiers = " > ".join(t.kind for t in self.hierarchy.tiers)

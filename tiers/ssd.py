@@ -397,6 +397,22 @@ class _Engine:
         n = len(offs)
         if n == 0:
             return
+        for attempt in range(_SHORT_RETRIES + 1):  # a short transfer is resumed where it stopped
+            res = self._submit(write, offs, addrs, lens)
+            if (res < 0).any():
+                self.check(res, lens, write)  # raises the first hard error (ENOSPC often comes here)
+            partial = np.flatnonzero(res < lens)
+            if len(partial) == 0:
+                return
+            if attempt == _SHORT_RETRIES or (res[partial] == 0).any():
+                self.check(res, lens, write)  # no progress: a short transfer error
+            done = res[partial]
+            offs = offs[partial] + done.astype(offs.dtype)
+            addrs = addrs[partial] + done.astype(addrs.dtype)
+            lens = lens[partial] - done.astype(lens.dtype)
+
+    def _submit(self, write: bool, offs: np.ndarray, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        n = len(offs)
         res = np.zeros(n, dtype=np.int32)
         if self.io_uring:
             if self._ctx is None or self._pid != os.getpid():  # a forked child must not share the ring
@@ -412,7 +428,7 @@ class _Engine:
                 raise OSError(-fatal, f"io_uring: {os.strerror(-fatal)}")
         else:
             _pio_kernel(self.fd, write, offs, addrs, lens, res)
-        self.check(res, lens, write)
+        return res
 
     @staticmethod
     def check(res: np.ndarray, lens: np.ndarray, write: bool) -> None:
@@ -430,6 +446,9 @@ class _Engine:
         ctx, self._ctx = self._ctx, None
         if ctx is not None and self._pid == os.getpid():
             ctx.close()
+
+
+_SHORT_RETRIES = 8
 
 
 def _fsync_dir(path: Path) -> None:
