@@ -15,6 +15,7 @@ either the old or the new version, never a torn one.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import logging
 import os
@@ -107,6 +108,9 @@ class Store:
         cfg = config if isinstance(config, TableConfig) else TableConfig.from_dict(config)
         if cfg.name in self.tables:
             raise TableExistsError(f"table {cfg.name!r} already exists in {self.path}")
+        cfg = _adopt_mappings(self.path, StoreConfig((cfg,)), Path.cwd()).tables[0]
+        if cfg.name in self.tables:
+            raise TableExistsError(f"table {cfg.name!r} already exists in {self.path}")
         new_config = StoreConfig((*self.config.tables, cfg))
         manifest = json.loads(json.dumps(self._manifest))
         manifest["tables"][cfg.name] = {"dir": f"tables/{cfg.name}", "state_dim": state_dim}
@@ -193,15 +197,43 @@ def _write_metadata(path: Path, config: StoreConfig, manifest: dict[str, Any]) -
     atomic_write(path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True).encode())
 
 
+def _adopt_mappings(store_dir: Path, cfg: StoreConfig, base: Path) -> StoreConfig:
+    """Copy learned-hash mapping files into the store so it is self-contained.
+
+    A relative ``mapping`` is taken from ``base`` (the TOML file's folder, or
+    the working directory); the config then names the copy, relative to the store.
+    """
+    tables = []
+    for t in cfg.tables:
+        if t.hash.kind is HashKind.LEARNED:
+            src = Path(t.hash.mapping)
+            src = src if src.is_absolute() else base / src
+            if not src.is_file():
+                raise ConfigError("hash.mapping", f"table {t.name!r}: mapping file {str(src)!r} does not exist "
+                                  "(fit one with `embstore hash fit`)")
+            rel = f"tables/{t.name}/hash{src.suffix or '.ehash'}"
+            (store_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, store_dir / rel)
+            t = dataclasses.replace(t, hash=dataclasses.replace(t.hash, mapping=rel))
+        tables.append(t)
+    return StoreConfig(tuple(tables))
+
+
 def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> Store:
     """Create a store at ``path`` (which must not hold one) from a config or a TOML file."""
     p = Path(path)
+    from_file = not isinstance(config, StoreConfig) and "\n" not in os.fspath(config)
     cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_toml(os.fspath(config))
     if (p / MANIFEST_FILE).exists() or (p / CONFIG_FILE).exists():
         raise StoreExistsError(f"{p} already holds a store; open it with embstore.open()")
     if p.exists() and (not p.is_dir() or any(p.iterdir())):
         raise StoreExistsError(f"{p} exists and is not an empty directory")
     p.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg = _adopt_mappings(p, cfg, Path(os.fspath(config)).parent if from_file else Path.cwd())
+    except BaseException:
+        shutil.rmtree(p, ignore_errors=True)
+        raise
     manifest = {"format": FORMAT, "tables": {t.name: {"dir": f"tables/{t.name}", "state_dim": 0}
                                              for t in cfg.tables}}
     _write_metadata(p, cfg, manifest)

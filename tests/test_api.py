@@ -187,3 +187,25 @@ def test_optimizer_state_lives_beside_rows(tmp_path) -> None:
         assert (vals == 0.5).all() and state[:, 0].tolist() == list(range(18, -1, -2))
         with pytest.raises(embstore.TableExistsError, match="optimizer-state"):
             store.ensure_state_dim("t", 1)
+
+
+def test_learned_hash_table_is_self_contained(tmp_path) -> None:
+    from embstore.hashing import LearnedHash
+
+    rng = np.random.default_rng(0)
+    trace = rng.zipf(1.3, 5000).astype(np.int64) * 7919
+    LearnedHash.fit(trace, 64).save(tmp_path / "m.ehash")
+    (tmp_path / "c.toml").write_text(BASE.replace('name = "t"', 'name = "t"\nhash = { kind = "learned", '
+                                                  'mapping = "m.ehash" }').replace("num_embeddings = 100",
+                                                                                   "num_embeddings = 64"))
+    store = embstore.create(tmp_path / "s", tmp_path / "c.toml")
+    ids = trace[:50]
+    rows = store["t"].lookup(ids)
+    store.close()
+    (tmp_path / "m.ehash").unlink()  # the store keeps its own copy
+    with embstore.open(tmp_path / "s") as s:
+        np.testing.assert_array_equal(s["t"].lookup(ids), rows)
+        assert s["t"].config.hash.mapping == "tables/t/hash.ehash"
+    with pytest.raises(embstore.ConfigError, match="hash.mapping"):
+        embstore.create(tmp_path / "s2", tmp_path / "c.toml")
+    assert not (tmp_path / "s2").exists()
