@@ -1,0 +1,107 @@
+"""Look-ahead prefetch: the working set keeps the window's rows, so forwards never miss and never read stale rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from embstore.training import TieredEmbeddingBagCollection, state_dim
+from embstore.training.testing import TorchReference, initial_weights, loss_of, make_store, random_batches, rel_err
+
+ROWS, DIM = 2000, 8
+
+
+def cold_store(path, optimizer="rowwise_adagrad"):
+    row_bytes = 4 * (DIM + state_dim(optimizer, DIM))
+    tiers = f'[{{ kind = "dram", capacity = {ROWS // 10 * row_bytes} }}, {{ kind = "ssd" }}]'
+    return make_store(path, [("a", ROWS, DIM), ("b", ROWS, DIM)], tiers)
+
+
+def run(ebc, batches, lookahead):
+    for ids, offs, w in ebc.pipeline(batches, lookahead=lookahead, sparse=lambda b: b[:2]):
+        loss_of(ebc(ids, offs), w).backward()
+
+
+def test_demand_misses_zero_with_lookahead_and_positive_without(tmp_path) -> None:
+    batches = random_batches(2, 12, [ROWS, ROWS], batch=32, max_len=8, dim=DIM, zipf=1.2)
+    cold = cold_store(tmp_path / "cold")
+    ebc = TieredEmbeddingBagCollection(cold, ["a", "b"], optimizer="rowwise_adagrad")
+    run(ebc, batches, 0)
+    assert ebc.counters["demand_misses"] > 0
+    assert ebc.counters["prefetched_rows"] == 0
+
+    warm = cold_store(tmp_path / "ahead")
+    ebc2 = TieredEmbeddingBagCollection(warm, ["a", "b"], optimizer="rowwise_adagrad")
+    run(ebc2, batches, 3)
+    assert ebc2.counters["demand_misses"] == 0
+    # every row a batch needed came through prefetch; rows shared by consecutive batches are fetched once
+    assert 0 < ebc2.counters["prefetched_rows"] <= ebc.counters["demand_misses"]
+    ebc.flush()
+    ebc2.flush()
+    for n in ("a", "b"):
+        rows = np.arange(ROWS, dtype=np.int64)
+        np.testing.assert_array_equal(cold[n].read_with_state(rows)[0], warm[n].read_with_state(rows)[0])
+    cold.close()
+    warm.close()
+
+
+def test_window_pins_rows_and_releases_them(tmp_path) -> None:
+    """A row used by batches i and i+1 stays in the working set across i's step, then leaves."""
+    store = cold_store(tmp_path / "s", "sgd")
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer="sgd", lr=0.5)
+    same = ([torch.tensor([5, 6]), torch.tensor([7])], [torch.tensor([0, 2]), torch.tensor([0, 1])])
+    other = ([torch.tensor([9]), torch.tensor([9])], [torch.tensor([0, 1]), torch.tensor([0, 1])])
+    ebc.prefetch(*same)
+    ebc.prefetch(*same)
+    ebc.prefetch(*other)
+    ebc(*same).sum().backward()  # step 1 updates rows 5, 6 / 7 in the working set only
+    assert ebc.stats()["working_set_rows"] == {"a": 3, "b": 2}
+    before = store["a"].read_with_state(np.array([5]))[0]
+    out = ebc(*same)  # must see step 1's update, from the working set
+    assert ebc.counters["demand_misses"] == 0
+    ref = initial_weights(store, "a")[[5, 6]].sum(0) - 2 * 0.5  # d(sum)/d(row) = 1 for each row
+    np.testing.assert_allclose(out[0, 0].detach().numpy(), ref, rtol=1e-6)
+    np.testing.assert_array_equal(before, initial_weights(store, "a")[[5]])  # store not written yet
+    out.sum().backward()
+    assert ebc.stats()["working_set_rows"] == {"a": 1, "b": 1}  # only batch 3's row 9 left
+    with torch.no_grad():
+        ebc(*other)
+    assert ebc.stats()["working_set_rows"] == {"a": 0, "b": 0}
+    np.testing.assert_allclose(store["a"].read_with_state(np.array([5]))[0][0],
+                               initial_weights(store, "a")[5] - 1.0, rtol=1e-6)
+    store.close()
+
+
+def test_unprefetched_batch_is_fetched_on_demand_and_stays_correct(tmp_path) -> None:
+    batches = random_batches(4, 6, [ROWS, ROWS], batch=16, max_len=6, dim=DIM)
+    store = cold_store(tmp_path / "s", "adagrad")
+    init = [initial_weights(store, n) for n in ("a", "b")]
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer="adagrad", lr=0.1)
+    ref = TorchReference(init, "adagrad", 0.1)
+    ebc.prefetch(*batches[1][:2])  # out of order: batch 0 arrives first and must not use batch 1's slot
+    for i, (ids, offs, w) in enumerate(batches):
+        out = ebc(ids, offs)
+        loss_of(out, w).backward()
+        assert rel_err(out.detach().numpy(), ref.step(ids, offs, w).numpy()) <= 1e-5
+        if i + 2 < len(batches):
+            ebc.prefetch(*batches[i + 2][:2])
+    ebc.flush()
+    for n, want in zip(("a", "b"), ref.weights()):
+        assert rel_err(store[n].read_with_state(np.arange(ROWS))[0], want) <= 1e-5
+    store.close()
+
+
+def test_keyed_batches_through_pipeline(tmp_path) -> None:
+    from embstore.training import KeyedJaggedBatch
+
+    batches = random_batches(6, 4, [ROWS, ROWS], batch=8, max_len=4, dim=DIM)
+    kjbs = [KeyedJaggedBatch(["a", "b"], torch.cat(ids), torch.cat([o.diff() for o in offs]))
+            for ids, offs, _ in batches]
+    store = cold_store(tmp_path / "s", "sgd")
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"], lookahead=2)
+    seen = 0
+    for kjb in ebc.pipeline(kjbs):
+        ebc(kjb).sum().backward()
+        seen += 1
+    assert seen == 4 and ebc.counters["demand_misses"] == 0 and ebc.steps == 4
+    store.close()

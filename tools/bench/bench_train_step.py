@@ -1,0 +1,107 @@
+"""DRAM-resident training step (forward, backward, exact row-wise Adagrad) vs fbgemm's CPU TBE.
+
+    python tools/bench/bench_train_step.py            # 8 tables x 1M rows x dim 64, batch 4096, pooling 20
+    python tools/bench/bench_train_step.py --quick    # 8 tables x 100k rows
+
+Both sides train the same float32 rows on the same uniform ids with
+EXACT_ROWWISE_ADAGRAD: ours is ``TieredEmbeddingBagCollection`` over a store
+whose DRAM tier holds every row (+ its state column) above an mmap home;
+fbgemm is ``SplitTableBatchedEmbeddingBagsCodegen`` (HOST, CPU), one TBE for
+all tables. Figure: looked-up ids per second, best of ``--repeats`` steps
+after warm-up, and the ratio ours / fbgemm (goal >= 3x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import embstore
+from embstore.config import StoreConfig, TableConfig, TierConfig
+from embstore.training import TieredEmbeddingBagCollection, state_dim
+
+
+def best_step(step, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` steps (after two warm-ups)."""
+    step(0)
+    step(1)
+    best = float("inf")
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        step(2 + r)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tables", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=None)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--pooling", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    rows = args.rows or (100_000 if args.quick else 1_000_000)
+    T, B, L, D = args.tables, args.batch, args.pooling, args.dim
+    n = B * L
+    rng = np.random.default_rng(0)
+    steps = [[torch.from_numpy(rng.integers(0, rows, n)) for _ in range(T)] for _ in range(2 + args.repeats)]
+    offs = torch.arange(0, n + 1, L, dtype=torch.int64)
+    weights = torch.from_numpy(rng.standard_normal((B, T, D)).astype(np.float32))
+    results: dict = {"rows": rows, "tables": T, "batch": B, "pooling": L, "ids_per_step": T * n,
+                     "torch_threads": torch.get_num_threads()}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        row_bytes = 4 * (D + state_dim("rowwise_adagrad", D))
+        cfgs = tuple(TableConfig(f"t{i}", rows, D, tiers=(TierConfig("dram", rows * row_bytes), TierConfig("mmap")))
+                     for i in range(T))
+        store = embstore.create(f"{tmp}/store", StoreConfig(cfgs))
+        ebc = TieredEmbeddingBagCollection(store, [f"t{i}" for i in range(T)], optimizer="rowwise_adagrad", lr=0.01)
+        for i in range(T):  # make every row resident (as after a bulk import)
+            store[f"t{i}"].write_with_state(np.arange(rows, dtype=np.int64),
+                                            rng.standard_normal((rows, D), dtype=np.float32),
+                                            np.zeros((rows, 1), np.float32))
+
+        def ours(s: int) -> None:
+            out = ebc(steps[s], [offs] * T)
+            (out.square() * weights).sum().backward()
+
+        t_ours = best_step(ours, args.repeats)
+        ebc.release()
+        store.close()
+
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, EmbeddingLocation, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(rows, D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T,
+        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8,
+        pooling_mode=PoolingMode.SUM, device=torch.device("cpu"))
+    all_offs = torch.arange(0, T * n + 1, L, dtype=torch.int64)
+    cat_ids = [torch.cat(s) for s in steps]
+
+    def fbgemm(s: int) -> None:
+        out = tbe(cat_ids[s], all_offs).view(B, T, D)
+        (out.square() * weights).sum().backward()
+
+    t_fb = best_step(fbgemm, args.repeats)
+    results.update(ours_step_s=t_ours, fbgemm_step_s=t_fb, ours_ids_per_s=T * n / t_ours,
+                   fbgemm_ids_per_s=T * n / t_fb, speedup_vs_fbgemm=t_fb / t_ours)
+    print(f"train step, {T} tables x {rows} rows x dim {D}, batch {B}, pooling {L} (rowwise adagrad)")
+    print(f"  ours   {t_ours * 1e3:8.1f} ms/step  {T * n / t_ours / 1e6:6.2f} M ids/s")
+    print(f"  fbgemm {t_fb * 1e3:8.1f} ms/step  {T * n / t_fb / 1e6:6.2f} M ids/s")
+    print(f"  ours / fbgemm: {t_fb / t_ours:.2f}x (goal >= 3x)")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.exit(0)

@@ -1,0 +1,64 @@
+"""CPU kernels of the fused backward: bag gradients -> unique-row gradients -> optimizer, in place.
+
+They work on numpy views of the working set's CPU tensors, so a step touches
+each unique row once (no autograd over a dense weight, no gather/scatter copies).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True, nogil=True)
+def row_grads(grad_out, inv, offsets, mean, n_uniq):
+    """g[u] = sum over ids j with inv[j] == u of grad_out[bag(j)] (/ bag length for mean)."""
+    dim = grad_out.shape[1]
+    g = np.zeros((n_uniq, dim), np.float32)
+    for b in range(offsets.shape[0] - 1):
+        lo, hi = offsets[b], offsets[b + 1]
+        if hi == lo:
+            continue
+        scale = np.float32(1.0) / np.float32(hi - lo) if mean else np.float32(1.0)
+        for j in range(lo, hi):
+            u = inv[j]
+            for d in range(dim):
+                g[u, d] += grad_out[b, d] * scale
+    return g
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step):
+    """Apply optimizer ``kind`` (0 sgd, 1 rowwise_adagrad, 2 adagrad, 3 adam) to rows[slots] in place."""
+    dim = rows.shape[1]
+    for i in numba.prange(slots.shape[0]):
+        s = slots[i]
+        gi = g[i].copy()
+        if wd != 0.0:
+            for d in range(dim):
+                gi[d] += np.float32(wd) * rows[s, d]
+        if kind == 0:
+            for d in range(dim):
+                rows[s, d] -= np.float32(lr) * gi[d]
+        elif kind == 1:
+            acc = np.float32(0.0)
+            for d in range(dim):
+                acc += gi[d] * gi[d]
+            state[s, 0] += acc / np.float32(dim)
+            mult = np.float32(lr) / (np.sqrt(state[s, 0]) + np.float32(eps))
+            for d in range(dim):
+                rows[s, d] -= mult * gi[d]
+        elif kind == 2:
+            for d in range(dim):
+                state[s, d] += gi[d] * gi[d]
+                rows[s, d] -= np.float32(lr) * gi[d] / (np.sqrt(state[s, d]) + np.float32(eps))
+        else:
+            state[s, 2 * dim] += np.float32(1.0)
+            t = np.float64(state[s, 2 * dim]) if global_step <= 0 else np.float64(global_step)
+            step = np.float32(lr * np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
+            for d in range(dim):
+                m = state[s, d] * np.float32(b1) + np.float32(1.0 - b1) * gi[d]
+                v = state[s, dim + d] * np.float32(b2) + np.float32(1.0 - b2) * gi[d] * gi[d]
+                state[s, d] = m
+                state[s, dim + d] = v
+                rows[s, d] -= step * m / (np.sqrt(v) + np.float32(eps))

@@ -1,0 +1,431 @@
+"""TieredEmbeddingBagCollection: embedding bags trained straight out of an embstore store.
+
+One step, per table::
+
+    ids ──hash──▶ physical rows ──dedup──▶ unique rows ──▶ working set (rows + optimizer state)
+                                                              │ gather (forward)      ▲ optimizer (backward)
+                                                              ▼                       │
+                                            working tensor (n_unique, dim) ──embedding_bag──▶ (batch, dim)
+
+The gradient never exists for the whole table: autograd produces it for the
+working tensor only (duplicate ids summed, as torch's sparse gradients are),
+and the custom autograd function's backward applies the optimizer to exactly
+those rows. Rows leave the working set, written back to the store with their
+optimizer state in one tier write, once no batch in the look-ahead window
+needs them (see ``working_set.py``).
+
+Protocol: one backward per forward, before the next forward. A batch whose
+backward has not come when the next forward starts is retired without an
+update (eval, or a dropped graph); a backward arriving later raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from embstore.errors import IdOutOfRangeError, InvalidInputError
+from embstore.kernels import unique_inverse
+from embstore.training._kernels import row_grads, step_rows
+from embstore.training.batch import KeyedJaggedBatch, normalize
+from embstore.training.optim import DEFAULT_EPS, OptimConfig, apply_update, check_optimizer, state_dim
+from embstore.training.working_set import WorkingSet
+
+log = logging.getLogger("embstore.training")
+
+POOLING = ("sum", "mean")
+_KIND = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2, "adam": 3}
+
+
+@dataclass
+class _Batch:
+    """One batch in the window: its ids, their unique rows, and where they sit in the working sets."""
+
+    seq: int
+    ids: list[np.ndarray]
+    offsets: list[np.ndarray]
+    uniq: list[np.ndarray] = field(default_factory=list)
+    inv: list[np.ndarray] = field(default_factory=list)
+    slots: list[np.ndarray] = field(default_factory=list)
+    missing: list[np.ndarray] = field(default_factory=list)  # per unique row: fetched from the store
+    fetched: int = 0  # rows this batch brought into the working sets
+    future: cf.Future | None = None
+    stepped: set[int] = field(default_factory=set)
+    retired: bool = False
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: the batch's unique rows as one working tensor. Backward: apply the optimizer to them."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, gather: Callable[[], torch.Tensor],
+                step: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.step = step
+        return gather()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.step(grad)
+        return None, None, None
+
+
+class _FusedBag(torch.autograd.Function):
+    """Pool straight from the working tensor; backward turns bag gradients into row gradients and steps.
+
+    Used for unhashed / one-row-per-id tables: torch's embedding_bag backward
+    over a dense weight is slow on CPU, and the row gradient is one scatter.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, w: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
+                mode: str, step: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.inv, ctx.offsets, ctx.mean, ctx.n, ctx.step = inv, offsets, mode == "mean", w.shape[0], step
+        return F.embedding_bag(inv, w, offsets, mode=mode, include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, ...]:
+        grad_out = grad_out.to(torch.float32).contiguous()
+        if grad_out.device.type == "cpu":
+            g = torch.from_numpy(row_grads(grad_out.numpy(), ctx.inv.numpy(), ctx.offsets.numpy(), ctx.mean, ctx.n))
+        else:
+            lens = ctx.offsets.diff()
+            per_id = grad_out.repeat_interleave(lens, dim=0)
+            if ctx.mean:
+                per_id = per_id / lens.clamp(min=1).repeat_interleave(lens)[:, None].to(per_id.dtype)
+            g = torch.zeros((ctx.n, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
+            g.index_add_(0, ctx.inv, per_id)
+        ctx.step(g)
+        return None, None, None, None, None, None
+
+
+class TieredEmbeddingBagCollection(nn.Module):
+    """Pooled embedding bags over store tables, trained with a fused row-wise optimizer (SPEC section 3)."""
+
+    def __init__(self, store: Any, tables: Sequence[str], optimizer: str = "sgd", lr: float = 0.01,
+                 eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
+                 pooling: str = "sum", lookahead: int = 0, adam_step: str = "row") -> None:
+        super().__init__()
+        check_optimizer(optimizer)
+        if pooling not in POOLING:
+            raise InvalidInputError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
+        if not tables or len(set(tables)) != len(tables):
+            raise InvalidInputError(f"tables must be a non-empty list of distinct names, got {list(tables)}")
+        if int(lookahead) < 0:
+            raise InvalidInputError(f"lookahead must be >= 0, got {lookahead}")
+        if adam_step not in ("row", "global"):
+            raise InvalidInputError(f"adam_step must be 'row' or 'global', got {adam_step!r}")
+        self.store = store
+        self.table_names = list(tables)
+        self.pooling = pooling
+        self.lookahead = int(lookahead)
+        self.optim = OptimConfig(optimizer, float(lr), float(DEFAULT_EPS[optimizer] if eps is None else eps),
+                                 float(betas[0]), float(betas[1]), float(weight_decay), adam_step)
+        self.tables = []
+        for name in self.table_names:
+            t = store[name]
+            self.tables.append(store.ensure_state_dim(name, state_dim(optimizer, t.format.dim)))
+        dims = {t.dim for t in self.tables}
+        if len(dims) != 1:
+            raise InvalidInputError(f"all tables need the same dim for a (batch, tables, dim) output; got "
+                                    f"{ {t.name: t.dim for t in self.tables} }")
+        self.dim = dims.pop()
+        self.ws = [WorkingSet(t) for t in self.tables]
+        self._lock = threading.RLock()
+        self._pending: dict[int, _Batch] = {}  # seq -> batch not retired yet (prefetched or forwarded)
+        self._queue: collections.deque[_Batch] = collections.deque()  # prefetched, not forwarded yet
+        self._awaiting: list[_Batch] = []  # forwarded, backward not done yet
+        self._next_seq = 0
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self.steps = 0
+        self.counters = {"demand_misses": 0, "prefetched_rows": 0, "late_rows": 0, "batches": 0,
+                         "stall_s": 0.0, "written_back_rows": 0}
+
+    # --- public API ----------------------------------------------------------------
+    def forward(self, ids: Any, offsets: Any = None) -> torch.Tensor:
+        """Pooled bags, shape (batch, num_tables, dim); per-table (ids, offsets) lists or one KeyedJaggedBatch."""
+        id_list, off_list = normalize(self.table_names, ids, offsets)
+        self._retire_unfinished()
+        batch = self._take_prefetched(id_list, off_list)
+        if batch is None:
+            self._drain()
+            batch = self._new_batch(id_list, off_list)
+            try:
+                self._reserve(batch)
+                self._fetch(batch)
+            except BaseException:
+                self._retire(batch)
+                raise
+            self.counters["demand_misses"] += batch.fetched
+        self.counters["batches"] += 1
+        grad_on = torch.is_grad_enabled() and self.training
+        outs = []
+        for t, table in enumerate(self.tables):
+            gather = self._gatherer(batch, t)
+            qr = table.mapper is not None and table.mapper.rows_per_id != 1
+            if grad_on and not qr:
+                anchor = torch.empty(0, requires_grad=True)
+                dev = self.ws[t].device
+                outs.append(_FusedBag.apply(anchor, gather(), torch.from_numpy(batch.inv[t]).to(dev),
+                                            torch.from_numpy(batch.offsets[t]).to(dev), self.pooling,
+                                            self._stepper(batch, t)))
+                continue
+            if grad_on:
+                anchor = torch.empty(0, requires_grad=True)
+                w = _GatherRows.apply(anchor, gather, self._stepper(batch, t))
+            else:
+                w = gather()
+            outs.append(self._pool(table, w, batch, t))
+        if grad_on:
+            self._awaiting.append(batch)
+        else:
+            self._retire(batch)
+        return torch.stack(outs, dim=1)
+
+    def prefetch(self, ids: Any, offsets: Any = None) -> None:
+        """Add a future batch to the look-ahead window; its rows are fetched in a background thread."""
+        id_list, off_list = normalize(self.table_names, ids, offsets)
+        batch = self._new_batch(id_list, off_list)
+        try:
+            self._reserve(batch)
+        except BaseException:
+            self._retire(batch)
+            raise
+        self._queue.append(batch)
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="embstore-prefetch")
+        batch.future = self._executor.submit(self._fetch, batch)
+
+    def pipeline(self, batches: Iterable[Any], lookahead: int | None = None,
+                 sparse: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+        """Yield ``batches`` unchanged while the next ``lookahead`` ones are prefetched.
+
+        ``sparse(batch)`` gives the part :meth:`forward` takes: an (ids, offsets)
+        pair or a KeyedJaggedBatch (default: the batch itself).
+        """
+        k = self.lookahead if lookahead is None else int(lookahead)
+        if k < 0:
+            raise InvalidInputError(f"lookahead must be >= 0, got {k}")
+        get = sparse or (lambda b: b)
+        it = iter(batches)
+        window: collections.deque[Any] = collections.deque()
+
+        def pull() -> bool:
+            try:
+                b = next(it)
+            except StopIteration:
+                return False
+            if k:
+                s = get(b)
+                self.prefetch(s) if isinstance(s, KeyedJaggedBatch) else self.prefetch(*s)
+            window.append(b)
+            return True
+
+        while len(window) < k + 1 and pull():
+            pass
+        while window:
+            yield window.popleft()
+            pull()
+
+    def flush(self) -> None:
+        """Write every dirty working-set row (with its state) back and make the tables durable."""
+        self._drain()
+        with self._lock:
+            for ws in self.ws:
+                self.counters["written_back_rows"] += ws.write_back_all()
+            for t in self.tables:
+                t.flush()
+
+    def release(self) -> None:
+        """Drop the whole window (pending batches get no update), write rows back and stop the thread."""
+        self._drain()
+        with self._lock:
+            for b in list(self._pending.values()):
+                b.retired = True
+            self._pending.clear()
+            self._queue.clear()
+            self._awaiting.clear()
+            for ws in self.ws:
+                self.counters["written_back_rows"] += ws.write_back_all()
+                ws.evict_before(float("inf"))
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus working-set occupancy per table."""
+        out: dict[str, Any] = dict(self.counters, steps=self.steps)
+        out["working_set_rows"] = {t.name: ws.resident for t, ws in zip(self.tables, self.ws)}
+        return out
+
+    # --- checkpoint ------------------------------------------------------------------
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"tables": list(self.table_names), "optimizer": asdict(self.optim), "pooling": self.pooling,
+                "lookahead": self.lookahead, "steps": self.steps, "counters": dict(self.counters)}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        if list(state["tables"]) != self.table_names:
+            raise InvalidInputError(f"checkpoint is for tables {state['tables']}, this module has {self.table_names}")
+        if state["optimizer"]["name"] != self.optim.name:
+            raise InvalidInputError(f"checkpoint was trained with {state['optimizer']['name']!r}, this module "
+                                    f"uses {self.optim.name!r} (the stored optimizer state would not match)")
+        self.optim = OptimConfig(**state["optimizer"])
+        self.pooling = state["pooling"]
+        self.lookahead = int(state["lookahead"])
+        self.steps = int(state["steps"])
+        self.counters = dict(state["counters"])
+
+    # --- internals -------------------------------------------------------------------
+    def _new_batch(self, id_list: list[np.ndarray], off_list: list[np.ndarray]) -> _Batch:
+        with self._lock:
+            batch = _Batch(self._next_seq, id_list, off_list)
+            self._next_seq += 1
+            self._pending[batch.seq] = batch
+        return batch
+
+    def _physical(self, t: int, ids: np.ndarray) -> np.ndarray:
+        table = self.tables[t]
+        if table.mapper is not None:
+            return table.mapper(ids)
+        if len(ids):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= table.config.num_embeddings:
+                bad = lo if lo < 0 else hi
+                raise IdOutOfRangeError(f"table {table.name!r}: id {bad} outside [0, {table.config.num_embeddings})")
+        return ids
+
+    def _reserve(self, batch: _Batch) -> None:
+        """Dedup the batch's rows and pin them in the working sets (caller's thread, cheap).
+
+        Done synchronously when the batch enters the window so that a row it
+        shares with the batch being trained is pinned before that batch retires.
+        """
+        for t, ws in enumerate(self.ws):
+            rows = self._physical(t, batch.ids[t])
+            uniq, inv = unique_inverse(rows.reshape(-1))
+            with self._lock:
+                slots, missing = ws.reserve(uniq, batch.seq)
+            batch.uniq.append(uniq)
+            batch.inv.append(inv)
+            batch.slots.append(slots)
+            batch.missing.append(missing)
+            batch.fetched += int(missing.sum())
+
+    def _fetch(self, batch: _Batch) -> None:
+        """Read the rows the batch found missing from the store into their slots (any thread)."""
+        for t, ws in enumerate(self.ws):
+            missing = batch.missing[t]
+            if missing.any():
+                vals, st = ws.table.read_with_state(batch.uniq[t][missing])  # outside the lock: the slow part
+                with self._lock:
+                    ws.fill(batch.slots[t][missing], vals, st)
+
+    def _take_prefetched(self, id_list: list[np.ndarray], off_list: list[np.ndarray]) -> _Batch | None:
+        if not self._queue:
+            return None
+        b = self._queue[0]
+        if not (all(np.array_equal(a, c) for a, c in zip(b.ids, id_list))
+                and all(np.array_equal(a, c) for a, c in zip(b.offsets, off_list))):
+            log.warning("forward got a batch other than the next prefetched one; fetching it on demand")
+            return None
+        self._queue.popleft()
+        assert b.future is not None
+        if not b.future.done():
+            t0 = time.perf_counter()
+            b.future.result()
+            self.counters["stall_s"] += time.perf_counter() - t0
+            self.counters["late_rows"] += b.fetched
+        b.future.result()  # re-raise a failed prefetch
+        self.counters["prefetched_rows"] += b.fetched
+        return b
+
+    def _drain(self) -> None:
+        """Wait until no prefetch is in flight (a demand fetch must not race one)."""
+        for b in list(self._queue):
+            if b.future is not None:
+                b.future.result()
+
+    def _gatherer(self, batch: _Batch, t: int) -> Callable[[], torch.Tensor]:
+        ws = self.ws[t]
+
+        def gather() -> torch.Tensor:
+            with self._lock:
+                return ws.rows[torch.from_numpy(batch.slots[t]).to(ws.device)]
+        return gather
+
+    def _stepper(self, batch: _Batch, t: int) -> Callable[[torch.Tensor], None]:
+        ws = self.ws[t]
+
+        def step(grad: torch.Tensor) -> None:
+            with self._lock:
+                if batch.retired:
+                    raise RuntimeError("embstore: backward for a batch whose next forward already ran; "
+                                       "call backward once per forward, before the next forward")
+                if t in batch.stepped:
+                    raise RuntimeError("embstore: a second backward through the same forward")
+                grad = grad.to(torch.float32).contiguous()
+                if ws.device.type == "cpu":
+                    o = self.optim
+                    gstep = self.steps + 1 if o.adam_step == "global" else 0
+                    step_rows(_KIND[o.name], ws.rows.numpy(), ws.state.numpy(), batch.slots[t], grad.numpy(),
+                              o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep)
+                else:
+                    idx = torch.from_numpy(batch.slots[t]).to(ws.device)
+                    w = ws.rows[idx]
+                    s = ws.state[idx]
+                    apply_update(self.optim, w, s, grad, self.steps + 1)
+                    ws.rows[idx] = w
+                    if ws.state_dim:
+                        ws.state[idx] = s
+                ws.dirty[batch.slots[t]] = True
+                batch.stepped.add(t)
+                if len(batch.stepped) == len(self.tables):
+                    self._awaiting.remove(batch)
+                    self._retire(batch)
+        return step
+
+    def _pool(self, table: Any, w: torch.Tensor, batch: _Batch, t: int) -> torch.Tensor:
+        dev = w.device
+        offs = torch.from_numpy(batch.offsets[t]).to(dev)
+        inv = torch.from_numpy(batch.inv[t]).to(dev)
+        if table.mapper is not None and table.mapper.rows_per_id != 1:
+            n = len(batch.ids[t])
+            emb = table.mapper.combine(w[inv].view(n, table.mapper.rows_per_id, -1))
+            idx = torch.arange(n, device=dev)
+            return F.embedding_bag(idx, emb, offs, mode=self.pooling, include_last_offset=True)
+        return F.embedding_bag(inv, w, offs, mode=self.pooling, include_last_offset=True)
+
+    def _retire_unfinished(self) -> None:
+        with self._lock:
+            for b in self._awaiting:
+                self._retire(b)
+            self._awaiting.clear()
+
+    def _retire(self, batch: _Batch) -> None:
+        """The batch leaves the window; rows no remaining batch uses go back to the store."""
+        with self._lock:
+            if batch.retired:
+                return
+            batch.retired = True
+            self._pending.pop(batch.seq, None)
+            if batch.stepped:
+                self.steps += 1
+            horizon = min(self._pending) if self._pending else float("inf")
+            for ws in self.ws:
+                dirty_before = int(ws.dirty.sum())
+                ws.evict_before(horizon)
+                self.counters["written_back_rows"] += dirty_before - int(ws.dirty.sum())
+
+    def __repr__(self) -> str:
+        return (f"TieredEmbeddingBagCollection(tables={self.table_names}, dim={self.dim}, "
+                f"optimizer={self.optim.name!r}, lr={self.optim.lr}, pooling={self.pooling!r}, "
+                f"lookahead={self.lookahead})")

@@ -1,0 +1,88 @@
+"""Row-wise optimizers applied to a batch's unique rows (fused into backward).
+
+State layout per physical row (float32 columns stored beside the row in the
+store, so one tier read/write moves both)::
+
+    sgd              0 columns
+    rowwise_adagrad  1 column : sum over steps of mean(g^2)      (fbgemm EXACT_ROWWISE_ADAGRAD)
+    adagrad          dim      : sum over steps of g^2            (torch.optim.Adagrad, sparse grads)
+    adam             2*dim+1  : m, v, and the row's own step count
+
+Adam's bias correction uses the *row's* step count (how many batches updated
+that row), not a global step as ``torch.optim.Adam``/``SparseAdam`` do: a row
+first seen at step 10_000 starts from m = v = 0 and is corrected as a fresh
+row. ``adam_step="global"`` uses the module's step count instead, which is
+exactly ``torch.optim.SparseAdam``. The step count is a float32 column, exact
+up to 2^24 updates of one row.
+
+Weight decay is L2 added to the gradient of the rows in the batch only (rows
+not in the batch do not move, as with sparse gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from embstore.errors import InvalidInputError
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+DEFAULT_EPS = {"sgd": 0.0, "rowwise_adagrad": 1e-8, "adagrad": 1e-10, "adam": 1e-8}
+
+
+def state_dim(optimizer: str, dim: int) -> int:
+    """Float32 optimizer-state columns per row of physical width ``dim``."""
+    return {"sgd": 0, "rowwise_adagrad": 1, "adagrad": dim, "adam": 2 * dim + 1}[check_optimizer(optimizer)]
+
+
+def check_optimizer(name: str) -> str:
+    if name not in OPTIMIZERS:
+        raise InvalidInputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    return name
+
+
+@dataclass
+class OptimConfig:
+    """Hyper-parameters; part of the module's state_dict."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    eps: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    adam_step: str = "row"  # "row" | "global"
+
+
+@torch.no_grad()
+def apply_update(cfg: OptimConfig, w: torch.Tensor, s: torch.Tensor, g: torch.Tensor, global_step: int) -> None:
+    """Update rows ``w`` (n, d) and their state ``s`` (n, state_dim) in place from the summed gradient ``g``."""
+    if cfg.weight_decay:
+        g = g.add(w, alpha=cfg.weight_decay)
+    lr = cfg.lr
+    if cfg.name == "sgd":
+        w.add_(g, alpha=-lr)
+    elif cfg.name == "rowwise_adagrad":
+        s[:, 0].add_(g.square().mean(dim=1))
+        mult = lr / (s[:, :1].sqrt() + cfg.eps)
+        w.sub_(g * mult)
+    elif cfg.name == "adagrad":
+        s.addcmul_(g, g)
+        w.addcdiv_(g, s.sqrt().add_(cfg.eps), value=-lr)
+    else:
+        d = w.shape[1]
+        m, v, t = s[:, :d], s[:, d:2 * d], s[:, 2 * d:]
+        t.add_(1.0)
+        m.mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
+        v.mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
+        denom = v.sqrt().add_(cfg.eps)
+        if cfg.adam_step == "global":
+            bc1 = 1.0 - cfg.beta1 ** global_step
+            bc2 = 1.0 - cfg.beta2 ** global_step
+            w.addcdiv_(m, denom, value=-lr * math.sqrt(bc2) / bc1)
+        else:
+            tt = t.double()
+            step = (lr * torch.sqrt(1.0 - cfg.beta2 ** tt) / (1.0 - cfg.beta1 ** tt)).to(w.dtype)
+            w.sub_(step * m / denom)

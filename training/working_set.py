@@ -1,0 +1,123 @@
+"""A table's working set: the rows (and optimizer state) of every batch in the look-ahead window.
+
+ScratchPipe/Bagpipe-style: rows enter when a batch is prefetched (or demanded
+by a forward) and leave only once no batch still in the window uses them;
+leaving writes them back to the store when dirty. While a row is in the
+working set every read and update of it goes here, so a row updated by step i
+and needed by step i+1 is never read stale from the store, and the store's own
+eviction policy is untouched.
+
+Not thread-safe by itself: the owning module serialises access with one lock;
+only ``Table.read_with_state`` (the slow part of a prefetch) runs outside it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from embstore.table import Table
+from embstore.training._index import SlotIndex
+
+
+class WorkingSet:
+    """Slots of rows + state on the table's device, keyed by physical row id."""
+
+    def __init__(self, table: Table, capacity: int = 1024) -> None:
+        self.table = table
+        self.device = torch.device(table.device)
+        self.dim = table.format.dim
+        self.state_dim = table.format.state_dim
+        self.index = SlotIndex(capacity)
+        self.rows = torch.zeros((capacity, self.dim), dtype=torch.float32, device=self.device)
+        self.state = torch.zeros((capacity, self.state_dim), dtype=torch.float32, device=self.device)
+        self.key = np.full(capacity, -1, np.int64)  # physical row per slot, -1 = free
+        self.last_use = np.full(capacity, -1, np.int64)  # latest batch sequence number using the slot
+        self.dirty = np.zeros(capacity, np.bool_)
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack, top at the end
+        self._nfree = capacity
+
+    @property
+    def capacity(self) -> int:
+        return len(self.key)
+
+    @property
+    def resident(self) -> int:
+        return self.capacity - self._nfree
+
+    def reserve(self, uniq: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slots for unique rows ``uniq`` used by batch ``seq``; (slots, mask of rows to load)."""
+        slots = self.index.find(uniq)
+        missing = slots < 0
+        n = int(missing.sum())
+        if n:
+            if n > self._nfree:
+                self._grow(self.resident + n)
+            new = self._free[self._nfree - n:self._nfree][::-1].copy()
+            self._nfree -= n
+            slots[missing] = new
+            self.key[new] = uniq[missing]
+            self.dirty[new] = False
+            self.index.put(uniq[missing], new)
+        self.last_use[slots] = np.maximum(self.last_use[slots], seq)
+        return slots, missing
+
+    def fill(self, slots: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        """Store rows read from the table into freshly reserved slots."""
+        if len(slots):
+            idx = torch.from_numpy(slots).to(self.device)
+            self.rows[idx] = torch.from_numpy(rows).to(self.device)
+            if self.state_dim:
+                self.state[idx] = torch.from_numpy(state).to(self.device)
+
+    def evict_before(self, seq: float) -> int:
+        """Write back (when dirty) and drop every row no batch with sequence >= ``seq`` uses."""
+        occupied = self.key >= 0
+        victims = np.flatnonzero(occupied & (self.last_use < seq))
+        if len(victims) == 0:
+            return 0
+        self._write_back(victims[self.dirty[victims]])
+        keys = self.key[victims]
+        if len(victims) == int(occupied.sum()):
+            self.index = SlotIndex(max(self.index.count, 1024))
+        else:
+            self.index.delete(keys)
+        self.key[victims] = -1
+        self.last_use[victims] = -1
+        self.dirty[victims] = False
+        self._free[self._nfree:self._nfree + len(victims)] = victims
+        self._nfree += len(victims)
+        return len(victims)
+
+    def write_back_all(self) -> int:
+        """Write every dirty row to the store and mark it clean (it stays resident)."""
+        slots = np.flatnonzero(self.dirty)
+        self._write_back(slots)
+        return len(slots)
+
+    def _write_back(self, slots: np.ndarray) -> None:
+        if len(slots) == 0:
+            return
+        idx = torch.from_numpy(slots).to(self.device)
+        rows = self.rows[idx].cpu().numpy()
+        state = self.state[idx].cpu().numpy()
+        self.table.write_with_state(self.key[slots], rows, state)
+        self.dirty[slots] = False
+
+    def _grow(self, need: int) -> None:
+        old = self.capacity
+        cap = old
+        while cap < need:
+            cap *= 2
+        extra = cap - old
+        dev = self.device
+        self.rows = torch.cat([self.rows, torch.zeros((extra, self.dim), dtype=torch.float32, device=dev)])
+        self.state = torch.cat([self.state, torch.zeros((extra, self.state_dim), dtype=torch.float32, device=dev)])
+        self.key = np.concatenate([self.key, np.full(extra, -1, np.int64)])
+        self.last_use = np.concatenate([self.last_use, np.full(extra, -1, np.int64)])
+        self.dirty = np.concatenate([self.dirty, np.zeros(extra, np.bool_)])
+        free = np.empty(cap, np.int64)
+        free[:extra] = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
+        free[extra:extra + self._nfree] = self._free[:self._nfree]
+        self._free = free
+        self._nfree += extra
