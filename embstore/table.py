@@ -19,7 +19,7 @@ from embstore.errors import IdOutOfRangeError, InvalidInputError, StoreClosedErr
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import pool, unique_inverse, unique_last
 from embstore.policies import DirectDirectory
-from embstore.tiers.cache import DRAMTier
+from embstore.tiers.cache import DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat, initial_rows
 
 POOL_MODES = ("sum", "mean")
@@ -83,6 +83,19 @@ class Table:
         if rows.ndim == 2:
             vals = self.mapper.combine(vals.reshape(len(ids), rows.shape[1], -1))
         return vals
+
+    def full_dram_tier(self) -> DRAMTier | None:
+        """The top tier when it is a direct-mapped DRAM slab of the whole table in float32, else None.
+
+        Training updates such a table in place (rows and optimizer state share
+        each slab row) and marks the tier's dirty bits, instead of copying rows
+        out and back every step.
+        """
+        top = self.hierarchy.caches[0] if self.hierarchy.caches else None
+        if (isinstance(top, DRAMTier) and isinstance(top.directory, DirectDirectory)
+                and self.format.dtype is RowDType.FLOAT32 and not isinstance(top, MmapCacheTier)):
+            return top
+        return None
 
     def _resident_slab(self, rows: np.ndarray) -> np.ndarray | None:
         """The top tier's float32 slab when it holds every one of ``rows`` (a full-table DRAM tier).

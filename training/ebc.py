@@ -39,7 +39,7 @@ from embstore.kernels import unique_inverse
 from embstore.training._kernels import row_grads, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import DEFAULT_EPS, OptimConfig, apply_update, check_optimizer, state_dim
-from embstore.training.working_set import WorkingSet
+from embstore.training.working_set import make_working_set
 
 log = logging.getLogger("embstore.training")
 
@@ -139,7 +139,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise InvalidInputError(f"all tables need the same dim for a (batch, tables, dim) output; got "
                                     f"{ {t.name: t.dim for t in self.tables} }")
         self.dim = dims.pop()
-        self.ws = [WorkingSet(t) for t in self.tables]
+        self.ws = [make_working_set(t) for t in self.tables]
         self._lock = threading.RLock()
         self._pending: dict[int, _Batch] = {}  # seq -> batch not retired yet (prefetched or forwarded)
         self._queue: collections.deque[_Batch] = collections.deque()  # prefetched, not forwarded yet
@@ -421,9 +421,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 self.steps += 1
             horizon = min(self._pending) if self._pending else float("inf")
             for ws in self.ws:
-                dirty_before = int(ws.dirty.sum())
-                ws.evict_before(horizon)
-                self.counters["written_back_rows"] += dirty_before - int(ws.dirty.sum())
+                self.counters["written_back_rows"] += ws.evict_before(horizon)
 
     def __repr__(self) -> str:
         return (f"TieredEmbeddingBagCollection(tables={self.table_names}, dim={self.dim}, "

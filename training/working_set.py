@@ -71,12 +71,13 @@ class WorkingSet:
                 self.state[idx] = torch.from_numpy(state).to(self.device)
 
     def evict_before(self, seq: float) -> int:
-        """Write back (when dirty) and drop every row no batch with sequence >= ``seq`` uses."""
+        """Drop every row no batch with sequence >= ``seq`` uses; returns how many were written back dirty."""
         occupied = self.key >= 0
         victims = np.flatnonzero(occupied & (self.last_use < seq))
         if len(victims) == 0:
             return 0
-        self._write_back(victims[self.dirty[victims]])
+        dirty = victims[self.dirty[victims]]
+        self._write_back(dirty)
         keys = self.key[victims]
         if len(victims) == int(occupied.sum()):
             self.index = SlotIndex(max(self.index.count, 1024))
@@ -87,7 +88,7 @@ class WorkingSet:
         self.dirty[victims] = False
         self._free[self._nfree:self._nfree + len(victims)] = victims
         self._nfree += len(victims)
-        return len(victims)
+        return len(dirty)
 
     def write_back_all(self) -> int:
         """Write every dirty row to the store and mark it clean (it stays resident)."""
@@ -121,3 +122,54 @@ class WorkingSet:
         free[extra:extra + self._nfree] = self._free[:self._nfree]
         self._free = free
         self._nfree += extra
+
+
+class ResidentWorkingSet:
+    """The working set of a table whose top tier is a full-table float32 DRAM slab: that slab itself.
+
+    Rows and their optimizer state are trained in place in the DRAM tier's
+    memory (``rows``/``state`` are strided views of it) and marked dirty in the
+    tier's own dirty bits, so ``Table.flush`` writes them home; nothing is
+    copied out and back per step. A row not yet in DRAM is loaded through the
+    hierarchy (which puts it in the slab) by the batch that first claims it.
+    """
+
+    def __init__(self, table: Table, tier) -> None:  # tier: a DRAMTier with a DirectDirectory
+        self.table = table
+        self.tier = tier
+        self.device = torch.device("cpu")
+        self.dim = table.format.dim
+        self.state_dim = table.format.state_dim
+        flat = tier.slab.view(np.float32)
+        self.rows = torch.from_numpy(flat[:, :self.dim])
+        self.state = torch.from_numpy(flat[:, self.dim:])
+        self.dirty = tier.dirty  # the tier's own write-back bits
+
+    @property
+    def resident(self) -> int:
+        """Rows held outside the store for the window: none, the slab is the store's own tier."""
+        return 0
+
+    def reserve(self, uniq: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slots are row ids; rows not yet in DRAM are to be loaded.
+
+        Loading is a read through the hierarchy, which writes a row into the
+        slab only while it is absent; a row is only ever stepped once present,
+        so a second (late) load of it is a plain read and cannot undo a step.
+        """
+        return uniq.copy(), ~self.tier.directory.present[uniq]
+
+    def fill(self, slots: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        """Nothing to copy: reading through the hierarchy already put the rows in the slab."""
+
+    def evict_before(self, seq: float) -> int:
+        return 0  # the slab holds the whole table; dirty rows go home on Table.flush()
+
+    def write_back_all(self) -> int:
+        return 0
+
+
+def make_working_set(table: Table) -> WorkingSet | ResidentWorkingSet:
+    """Train in place when the table's top tier holds all of it in float32 DRAM, else a bounded working set."""
+    tier = table.full_dram_tier()
+    return ResidentWorkingSet(table, tier) if tier is not None else WorkingSet(table)
