@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "embstore.commands.demo_cmds",
     "embstore.commands.serve_cmds",
     "embstore.commands.replay_cmds",
+    "embstore.commands.train_cmds",
 )
 
 

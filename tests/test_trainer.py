@@ -1,0 +1,192 @@
+"""`embstore train`: config parsing, learning a planted signal, resume == uninterrupted, metrics vs brute force."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from embstore.errors import ConfigError
+from embstore.training.metrics import auc, entropy, evaluate, log_loss, log_loss_logits, normalized_entropy
+from embstore.training.trainer import TrainConfig, train
+
+TIERS = '[{ kind = "dram", capacity = "8KiB", policy = "lru" }, { kind = "mmap" }]'
+
+
+def config_text(*, shuffle: bool = False, batches: int = 120, eval_every: int = 0, ckpt_every: int = 0,
+                steps: int = 0, extra_store: str = "", dtype: str = "float32", lookahead: int = 2,
+                interaction: str = "dot", ckpt_store: str = "copy", sparse_opt: str = "rowwise_adagrad") -> str:
+    return textwrap.dedent(f"""
+        [data]
+        kind = "synthetic"
+        batch_size = 256
+        train_batches = {batches}
+        eval_batches = 16
+        bag_max = 2
+        shuffle_labels = {str(shuffle).lower()}
+        [model]
+        dense_arch = [16, 8]
+        over_arch = [32, 1]
+        interaction = "{interaction}"
+        dcn_layers = 2
+        dcn_low_rank = 4
+        sparse_optimizer = "{sparse_opt}"
+        [store]
+        defaults = {{ dim = 8, dtype = "{dtype}", init = {{ kind = "uniform", scale = 0.05 }}, tiers = {TIERS} }}
+        [[store.table]]
+        name = "a"
+        num_embeddings = 1000
+        [[store.table]]
+        name = "b"
+        num_embeddings = 500
+        [[store.table]]
+        name = "c"
+        num_embeddings = 300
+        hash = {{ kind = "mod" }}
+        {extra_store}
+        [schedule]
+        steps = {steps}
+        eval_every = {eval_every}
+        checkpoint_every = {ckpt_every}
+        checkpoint_store = "{ckpt_store}"
+        lookahead = {lookahead}
+        dense_lr = 0.05
+        sparse_lr = 0.1
+        seed = 3
+        """)
+
+
+def load(tmp_path: Path, **kw) -> TrainConfig:
+    p = tmp_path / "cfg.toml"
+    p.write_text(config_text(**kw))
+    return TrainConfig.from_toml(p)
+
+
+def test_planted_signal_is_learned_and_shuffled_control_is_not(tmp_path):
+    res = train(load(tmp_path), tmp_path / "run", progress=False)
+    ctl = train(load(tmp_path, shuffle=True), tmp_path / "ctl", progress=False)
+    auc_signal, auc_ctl = res.evals[-1][1].auc, ctl.evals[-1][1].auc
+    print(f"one epoch: AUC {auc_signal:.3f} (planted signal) vs {auc_ctl:.3f} (shuffled labels)")
+    assert auc_signal > 0.75
+    assert auc_ctl < 0.55
+    assert res.evals[-1][1].ne < 1.0
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["step"] == 120 and m["evals"][-1]["auc"] == pytest.approx(auc_signal)
+
+
+def test_dcn_interaction_learns(tmp_path):
+    res = train(load(tmp_path, interaction="dcn", batches=80), tmp_path / "run", progress=False)
+    assert res.evals[-1][1].auc > 0.7
+
+
+@pytest.mark.parametrize("ckpt_store", ["copy", "in_place"])
+def test_resume_equals_uninterrupted(tmp_path, ckpt_store):
+    cfg = load(tmp_path, batches=40, eval_every=10, ckpt_every=15, ckpt_store=ckpt_store)
+    full = train(cfg, tmp_path / "full", progress=False)
+    # killed after step 21 (past the checkpoint at 15: with "copy" the store has moved on since it)
+    stop = 21 if ckpt_store == "copy" else 15
+    part = train(cfg, tmp_path / "part", progress=False, stop_at=stop)
+    assert part.stopped_early and part.step == stop
+    resumed = train(cfg, tmp_path / "part", resume=True, progress=False)
+    assert resumed.step == full.step == 40
+    np.testing.assert_array_equal(np.array(resumed.losses), np.array(full.losses))
+    assert [e.auc for _, e in resumed.evals] == [e.auc for _, e in full.evals]
+
+
+def test_resume_with_quantised_rows(tmp_path):
+    cfg = load(tmp_path, batches=30, ckpt_every=10, dtype="float16", sparse_opt="adam")
+    full = train(cfg, tmp_path / "full", progress=False)
+    train(cfg, tmp_path / "part", progress=False, stop_at=14)
+    resumed = train(cfg, tmp_path / "part", resume=True, progress=False)
+    np.testing.assert_array_equal(np.array(resumed.losses), np.array(full.losses))
+
+
+def test_existing_store_needs_resume(tmp_path):
+    cfg = load(tmp_path, batches=2)
+    train(cfg, tmp_path / "run", progress=False)
+    with pytest.raises(ConfigError, match="--resume"):
+        train(cfg, tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize("edit, key", [
+    (("[schedule]", "[schedule]\nbogus = 1"), "schedule.bogus"),
+    (('over_arch = [32, 1]', 'over_arch = [32, 2]'), "model.over_arch"),
+    (('over_arch = [32, 1]', 'over_arch = "32-1"'), "model.over_arch"),
+    (('kind = "synthetic"', 'kind = "parquet"'), "data.kind"),
+    (('batch_size = 256', 'batch_size = true'), "data.batch_size"),
+    (('num_embeddings = 1000', 'num_embeddings = 0'), "table.num_embeddings"),
+    (('lookahead = 2', 'lookahead = -1'), "schedule.lookahead"),
+])
+def test_config_errors_name_the_key(tmp_path, edit, key):
+    p = tmp_path / "cfg.toml"
+    p.write_text(config_text().replace(*edit))
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_toml(p)
+    assert err.value.key == key
+
+
+def test_example_configs_parse():
+    root = Path(__file__).resolve().parents[1] / "examples"
+    for name in ("train_synthetic.toml", "train_criteo.toml"):
+        cfg = TrainConfig.from_dict(__import__("tomllib").loads((root / name).read_text()))
+        assert cfg.store.tables
+
+
+# --------------------------------------------------------------------------- metrics
+def brute_auc(y: np.ndarray, s: np.ndarray) -> float:
+    """P(score of a random positive > a random negative) + 0.5 P(tie), over all pairs."""
+    pos, neg = s[y == 1], s[y == 0]
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), min_size=2, max_size=40))
+def test_auc_matches_pairwise_count_with_ties(pairs):
+    y = np.array([p[0] for p in pairs], dtype=float)
+    s = np.array([p[1] for p in pairs], dtype=float) / 5
+    if y.min() == y.max():
+        assert math.isnan(auc(y, s))
+    else:
+        assert auc(y, s) == pytest.approx(brute_auc(y, s))
+
+
+@settings(max_examples=40)
+@given(st.lists(st.tuples(st.integers(0, 1), st.floats(-8, 8)), min_size=1, max_size=30))
+def test_log_loss_and_ne_match_definitions(pairs):
+    y = np.array([p[0] for p in pairs], dtype=float)
+    z = np.array([p[1] for p in pairs])
+    p = 1 / (1 + np.exp(-z))
+    ref = -sum(math.log(pi) if yi else math.log(1 - pi) for yi, pi in zip(y, p)) / len(y)
+    assert log_loss(y, p) == pytest.approx(ref, rel=1e-6, abs=1e-9)
+    assert log_loss_logits(y, z) == pytest.approx(ref, rel=1e-6, abs=1e-9)
+    rate = y.mean()
+    h = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)) if 0 < rate < 1 else entropy(rate)
+    assert normalized_entropy(y, p) == pytest.approx(ref / h, rel=1e-6)
+    assert evaluate(y, z).log_loss == pytest.approx(ref, rel=1e-6, abs=1e-9)
+
+
+def test_ne_of_base_rate_prediction_is_one():
+    y = np.array([1, 0, 0, 0, 1, 0, 0, 0], dtype=float)
+    assert normalized_entropy(y, np.full(8, 0.25)) == pytest.approx(1.0)
+    assert auc(y, np.full(8, 0.25)) == 0.5
+
+
+def test_train_verb_runs_a_config(tmp_path, capsys):
+    import argparse
+
+    from embstore.commands import train_cmds
+    parser = argparse.ArgumentParser()
+    train_cmds.register(parser.add_subparsers())
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(config_text(batches=6))
+    args = parser.parse_args(["train", str(cfg), "--out", str(tmp_path / "o"), "--no-progress"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "AUC" in out and "NE" in out and "trained 6 steps" in out

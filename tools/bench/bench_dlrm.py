@@ -1,0 +1,140 @@
+"""DLRM training throughput: tables in DRAM vs tables 10x the DRAM budget on an ssd home with look-ahead.
+
+    python tools/bench/bench_dlrm.py --quick        # tables capped at 100k rows, few steps
+    python tools/bench/bench_dlrm.py                # Kaggle table sizes capped at 1M rows
+
+Criteo Kaggle shape: 26 tables of dim 16 (the Kaggle cardinalities, capped),
+bottom MLP 13-512-256-64-16, top MLP 512-256-1, batch 2048, rowwise Adagrad,
+synthetic Zipf(1.05) ids. Baseline: every table fully cached in a DRAM tier
+over an mmap home. Tiered: a DRAM tier of 1/10 of the rows' bytes (row +
+optimizer state) over an ``ssd`` (io_uring) home, look-ahead ``--lookahead``
+batches. Prints samples/s of both and their ratio (goal >= 0.7).
+``--precision`` also trains a small synthetic model with float32, float16 and
+int8 rows and prints the held-out AUC of each (the precision's AUC cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import embstore
+from embstore.config import StoreConfig, TableConfig
+from embstore.training import TieredEmbeddingBagCollection
+from embstore.training.data import ClickBatch, SyntheticClicks
+from embstore.training.dlrm import DLRM, dense_optimizer
+
+KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306,
+          10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+DIM, ROW_BYTES = 16, (16 + 1) * 4  # float32 row + rowwise-adagrad state
+
+
+def run_config(path: Path, sizes: list[int], tiers: Any, batch: int, warmup: int, steps: int,
+               lookahead: int) -> float:
+    """Samples/s of DLRM training steps after ``warmup`` untimed ones; ``tiers(rows)`` gives a table's tiers."""
+    tables = tuple(TableConfig.from_dict({"name": f"c{i}", "num_embeddings": n, "dim": DIM, "tiers": tiers(n)})
+                   for i, n in enumerate(sizes))
+    store = embstore.create(path, StoreConfig(tables))
+    try:
+        names = [t.name for t in tables]
+        ebc = TieredEmbeddingBagCollection(store, names, optimizer="rowwise_adagrad", lr=0.05, lookahead=lookahead)
+        torch.manual_seed(0)
+        model = DLRM(ebc, len(names), DIM, 13, [512, 256, 64, 16], [512, 256, 1])
+        opt = dense_optimizer("adagrad", model.dense_parameters(), 0.01)
+        data = SyntheticClicks(tuple(sizes), batch, warmup + steps, zipf_alpha=1.05, seed=1)
+        t0 = 0.0
+        for i, b in enumerate(ebc.pipeline(data, sparse=ClickBatch.sparse)):
+            if i == warmup:
+                t0 = time.perf_counter()
+            loss = F.binary_cross_entropy_with_logits(model(b.dense, b.ids, b.offsets), b.labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        elapsed = time.perf_counter() - t0
+        ebc.release()
+        return steps * batch / elapsed
+    finally:
+        store.close()
+
+
+def precision_auc(root: Path) -> dict[str, float]:
+    """Held-out AUC after one synthetic epoch with each row precision."""
+    from embstore.training.trainer import TrainConfig, train
+    out = {}
+    for dtype in ("float32", "float16", "int8"):
+        text = textwrap.dedent(f"""
+            [data]
+            batch_size = 256
+            train_batches = 120
+            eval_batches = 20
+            bag_max = 2
+            [model]
+            dense_arch = [16, 8]
+            over_arch = [32, 1]
+            [store]
+            defaults = {{ dim = 8, dtype = "{dtype}", init = {{ kind = "uniform", scale = 0.05 }}, tiers = [{{ kind = "dram", capacity = "16KiB" }}, {{ kind = "mmap" }}] }}
+            [[store.table]]
+            name = "a"
+            num_embeddings = 2000
+            [[store.table]]
+            name = "b"
+            num_embeddings = 1000
+            [[store.table]]
+            name = "c"
+            num_embeddings = 500
+            [schedule]
+            dense_lr = 0.05
+            sparse_lr = 0.1
+            seed = 3
+            """)
+        res = train(TrainConfig.from_dict(__import__("tomllib").loads(text)), root / dtype, progress=False)
+        out[dtype] = res.evals[-1][1].auc
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tables capped at 100k rows and fewer steps")
+    p.add_argument("--cap", type=int, default=None, help="rows per table at most (default 1M, quick 100k)")
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 30, quick 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10, quick 4)")
+    p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument("--precision", action="store_true", help="also compare float32/float16/int8 rows' AUC")
+    p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir; ssd needs O_DIRECT)")
+    args = p.parse_args(argv)
+    cap = args.cap or (100_000 if args.quick else 1_000_000)
+    steps = args.steps or (10 if args.quick else 30)
+    warmup = args.warmup or (4 if args.quick else 10)
+    sizes = [min(n, cap) for n in KAGGLE]
+    total_bytes = sum(sizes) * ROW_BYTES
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        root = Path(d)
+        def all_dram(n: int) -> list[dict[str, Any]]:  # the cache holds the whole table
+            return [{"kind": "dram", "capacity": n * ROW_BYTES + (1 << 16)}, {"kind": "mmap"}]
+
+        def tenth(n: int) -> list[dict[str, Any]]:  # each table is 10x its DRAM cache
+            return [{"kind": "dram", "capacity": max(n * ROW_BYTES // 10, 64 * ROW_BYTES), "policy": "lru"},
+                    {"kind": "ssd"}]
+        dram_rate = run_config(root / "dram", sizes, all_dram, args.batch, warmup, steps, args.lookahead)
+        ssd_rate = run_config(root / "ssd", sizes, tenth, args.batch, warmup, steps, args.lookahead)
+        result: dict[str, Any] = {
+            "rows": sum(sizes), "table_bytes": total_bytes, "batch": args.batch, "steps": steps,
+            "dram_samples_per_s": round(dram_rate), "ssd_samples_per_s": round(ssd_rate),
+            "ratio_ssd_over_dram": round(ssd_rate / dram_rate, 3), "goal": 0.7}
+        if args.precision:
+            result["auc_by_row_dtype"] = {k: round(v, 4) for k, v in precision_auc(root / "prec").items()}
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

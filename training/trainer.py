@@ -1,0 +1,600 @@
+"""`embstore train CONFIG.toml`: a DLRM trained out of a tiered store, with evals, curves and checkpoints.
+
+One TOML holds everything (see ``examples/train_synthetic.toml``)::
+
+    [data]      kind = "synthetic" | "criteo", batch_size, synthetic knobs or criteo paths
+    [model]     dense_arch = [64, 16], over_arch = [64, 32, 1], interaction, optimizers
+    [store]     path (default OUT/store), defaults = { dim, dtype, tiers, ... }, [[store.table]] entries
+    [schedule]  epochs | steps, eval_every, checkpoint_every, lookahead, dense_lr, sparse_lr, seed
+
+Training is segmented at evaluation and checkpoint steps: each segment runs
+through the EBC's look-ahead pipeline, which drains at the segment's end, so an
+evaluation or a checkpoint never races a prefetch and sees every row written back.
+
+A checkpoint (``OUT/checkpoints/step_N``) holds the dense ``state_dict`` (with
+the EBC's extra state), the dense optimizer, the step, the loss history and a
+copy of the store taken after ``flush()``; ``--resume`` restores all of it and
+re-creates the data iterator at the next batch, so a resumed run equals the
+uninterrupted one step for step. ``checkpoint_store = "in_place"`` skips the
+copy (for stores too big to copy): then resume is exact only when the run
+stopped right at its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import embstore
+from embstore.config import StoreConfig, TableConfig
+from embstore.errors import ConfigError
+from embstore.training import TieredEmbeddingBagCollection
+from embstore.training.data import ClickBatch, CriteoReader, SyntheticClicks
+from embstore.training.distributed import (DistContext, ShardedEmbeddingBags, average_gradients,
+                                           broadcast_parameters, hashless)
+from embstore.training.dlrm import DENSE_OPTIMIZERS, DLRM, dense_optimizer
+from embstore.training.metrics import EvalResult, evaluate
+from embstore.training.optim import OPTIMIZERS
+
+log = logging.getLogger("embstore.training.trainer")
+
+
+# --------------------------------------------------------------------------- config
+def _from_dict(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    """Build a frozen config dataclass, rejecting unknown keys and wrong types with the key's name."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(where, f"expected a table, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; allowed: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        f = fields[name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        key = f"{where}.{name}"
+        if isinstance(default, tuple):
+            if not isinstance(value, list):
+                raise ConfigError(key, f"expected a list, got {value!r}")
+            value = tuple(value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(key, f"expected true or false, got {value!r}")
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(key, f"expected an integer, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(key, f"expected a number, got {value!r}")
+            value = float(value)
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _positive(where: str, **values: int) -> None:
+    for k, v in values.items():
+        if v < 1:
+            raise ConfigError(f"{where}.{k}", f"must be >= 1, got {v}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where batches come from. Synthetic knobs are ignored for criteo and vice versa."""
+
+    kind: str = "synthetic"
+    batch_size: int = 512
+    # synthetic
+    train_batches: int = 200  # batches per epoch
+    eval_batches: int = 20
+    num_dense: int = 13
+    zipf_alpha: float = 1.05
+    bag_min: int = 1
+    bag_max: int = 1
+    signal_tables: int = 2
+    signal: float = 2.0
+    shuffle_labels: bool = False
+    id_space: tuple[int, ...] = ()  # raw ids per table; default: each table's num_embeddings
+    # criteo
+    train_paths: tuple[str, ...] = ()
+    eval_paths: tuple[str, ...] = ()
+    holdout_every: int = 0  # with no eval_paths: line i is held out when i % N == N - 1
+    multi_hot_delimiter: str = ""  # "" = one id per field
+    missing: str = "reserved"  # "reserved" | "skip"
+    eval_max_batches: int = 0  # 0 = the whole held-out set
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("synthetic", "criteo"):
+            raise ConfigError("data.kind", f"{self.kind!r} is not one of 'synthetic', 'criteo'")
+        _positive("data", batch_size=self.batch_size, train_batches=self.train_batches,
+                  eval_batches=self.eval_batches)
+        if self.kind == "criteo":
+            if not self.train_paths:
+                raise ConfigError("data.train_paths", "criteo data needs train_paths = ['day_0.tsv', ...]")
+            if not self.eval_paths and self.holdout_every < 2:
+                raise ConfigError("data.holdout_every", "give eval_paths or holdout_every >= 2 for a held-out split")
+        if self.missing not in ("reserved", "skip"):
+            raise ConfigError("data.missing", f"{self.missing!r} is not one of 'reserved', 'skip'")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """DLRM shape and optimizers; MLP widths are lists of ints."""
+
+    dense_arch: tuple[int, ...] = (64, 16)
+    over_arch: tuple[int, ...] = (64, 32, 1)
+    interaction: str = "dot"  # "dot" | "dcn"
+    dcn_layers: int = 3
+    dcn_low_rank: int = 0  # 0 = full-rank cross layers
+    dense_optimizer: str = "adagrad"
+    sparse_optimizer: str = "rowwise_adagrad"
+
+    def __post_init__(self) -> None:
+        if self.interaction not in ("dot", "dcn"):
+            raise ConfigError("model.interaction", f"{self.interaction!r} is not one of 'dot', 'dcn'")
+        if self.dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ConfigError("model.dense_optimizer", f"{self.dense_optimizer!r} is not one of {DENSE_OPTIMIZERS}")
+        if self.sparse_optimizer not in OPTIMIZERS:
+            raise ConfigError("model.sparse_optimizer", f"{self.sparse_optimizer!r} is not one of {OPTIMIZERS}")
+        for key in ("dense_arch", "over_arch"):
+            v = getattr(self, key)
+            if not v or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in v):
+                raise ConfigError(f"model.{key}", f"must be a non-empty list of positive ints, got {list(v)}")
+        if self.over_arch[-1] != 1:
+            raise ConfigError("model.over_arch", f"must end in 1 (one logit), got {list(self.over_arch)}")
+
+
+@dataclass(frozen=True)
+class StoreSection:
+    """The tables: ``[[store.table]]`` entries, each merged over ``defaults``."""
+
+    path: str = ""  # "" = OUT/store
+    tables: tuple[TableConfig, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StoreSection":
+        unknown = sorted(set(data) - {"path", "defaults", "table"})
+        if unknown:
+            raise ConfigError(f"store.{unknown[0]}", "unknown key; allowed: defaults, path, table")
+        defaults = data.get("defaults", {})
+        if not isinstance(defaults, Mapping):
+            raise ConfigError("store.defaults", f"expected a table, got {defaults!r}")
+        entries = data.get("table", [])
+        if not isinstance(entries, list) or not entries:
+            raise ConfigError("store.table", "give one [[store.table]] section per embedding table")
+        tables = tuple(TableConfig.from_dict({**defaults, **t}) for t in entries)
+        StoreConfig(tables)  # duplicate names
+        dims = {t.dim for t in tables}
+        if len(dims) != 1:
+            raise ConfigError("store.table.dim", f"every table needs the same dim, got {sorted(dims)}")
+        return cls(str(data.get("path", "")), tables)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How long, how often to evaluate and checkpoint, learning rates, look-ahead, seed."""
+
+    epochs: int = 1
+    steps: int = 0  # > 0: stop after this many steps
+    eval_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_store: str = "copy"  # "copy" | "in_place"
+    lookahead: int = 2
+    dense_lr: float = 0.01
+    sparse_lr: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("schedule", epochs=self.epochs)
+        for key in ("steps", "eval_every", "checkpoint_every", "lookahead"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"schedule.{key}", f"must be >= 0, got {getattr(self, key)}")
+        if self.checkpoint_store not in ("copy", "in_place"):
+            raise ConfigError("schedule.checkpoint_store", f"{self.checkpoint_store!r} is not 'copy' or 'in_place'")
+        for key in ("dense_lr", "sparse_lr"):
+            if not 0 < getattr(self, key) < math.inf:
+                raise ConfigError(f"schedule.{key}", f"must be a positive number, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    store: StoreSection = field(default_factory=StoreSection)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        unknown = sorted(set(data) - {"data", "model", "store", "schedule"})
+        if unknown:
+            raise ConfigError(unknown[0], "unknown section; allowed: [data], [model], [store], [schedule]")
+        if "store" not in data:
+            raise ConfigError("store", "missing; give [store] with [[store.table]] entries")
+        return cls(_from_dict(DataConfig, data.get("data", {}), "data"),
+                   _from_dict(ModelConfig, data.get("model", {}), "model"),
+                   StoreSection.from_dict(data["store"]),
+                   _from_dict(ScheduleConfig, data.get("schedule", {}), "schedule"))
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "TrainConfig":
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError("config", f"file {str(p)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"not valid TOML: {exc}") from exc
+        return cls.from_dict(data)
+
+
+# --------------------------------------------------------------------------- result
+@dataclass
+class TrainResult:
+    """What a run did: per-step global losses, evaluations, throughput."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    evals: list[tuple[int, EvalResult]] = field(default_factory=list)
+    samples_per_s: float = 0.0
+    stopped_early: bool = False
+    malformed_lines: int = 0
+
+
+# --------------------------------------------------------------------------- data
+class Batches:
+    """The configured data as resumable iterators of global batches."""
+
+    def __init__(self, cfg: TrainConfig, world: int) -> None:
+        self.cfg = cfg.data
+        d = cfg.data
+        if d.batch_size % world:
+            raise ConfigError("data.batch_size", f"{d.batch_size} must split evenly over {world} ranks")
+        self.synthetic: SyntheticClicks | None = None
+        self.reader: CriteoReader | None = None
+        if d.kind == "synthetic":
+            space = d.id_space or tuple(t.num_embeddings for t in cfg.store.tables)
+            if len(space) != len(cfg.store.tables):
+                raise ConfigError("data.id_space", f"one entry per table ({len(cfg.store.tables)}), got {len(space)}")
+            self.synthetic = SyntheticClicks(space, d.batch_size, d.train_batches, d.num_dense, d.zipf_alpha,
+                                             d.bag_min, d.bag_max, min(d.signal_tables, len(space)), d.signal,
+                                             shuffle_labels=d.shuffle_labels, seed=cfg.schedule.seed)
+            self.num_dense = d.num_dense
+        else:
+            common = dict(num_sparse=len(cfg.store.tables), multi_hot_delimiter=d.multi_hot_delimiter or None,
+                          missing=d.missing, drop_last=world > 1)
+            split = "all" if d.eval_paths else "train"
+            self.reader = CriteoReader(list(d.train_paths), d.batch_size, split=split,
+                                       holdout_every=d.holdout_every, **common)
+            self.eval_reader = CriteoReader(list(d.eval_paths or d.train_paths), d.batch_size,
+                                            split="all" if d.eval_paths else "holdout",
+                                            holdout_every=d.holdout_every, **common)
+            self.num_dense = 13
+
+    def per_epoch(self) -> int | None:
+        return self.cfg.train_batches if self.synthetic else None
+
+    def train(self, start: int, epochs: int) -> Iterator[ClickBatch]:
+        """Global batches from global index ``start`` on, over ``epochs`` passes."""
+        index = 0
+        for _ in range(epochs):
+            if self.synthetic is not None:
+                n = self.synthetic.num_batches
+                if start >= index + n:
+                    index += n
+                    continue
+                yield from self.synthetic.iter_batches(max(start - index, 0))
+                index += n
+            else:
+                assert self.reader is not None
+                yield from self.reader.iter_batches(max(start - index, 0))
+                index += self.reader.stats.batches
+
+    def holdout(self) -> Iterator[ClickBatch]:
+        if self.synthetic is not None:
+            yield from self.synthetic.iter_batches(0, "holdout", self.cfg.eval_batches)
+            return
+        for i, b in enumerate(self.eval_reader):
+            if self.cfg.eval_max_batches and i >= self.cfg.eval_max_batches:
+                break
+            yield b
+
+
+# --------------------------------------------------------------------------- pieces
+def build_store(cfg: TrainConfig, out: Path, ctx: DistContext, resume: bool) -> tuple[embstore.Store, Path]:
+    """Create (or, resuming, restore from the last checkpoint) this rank's store."""
+    base = Path(cfg.store.path) if cfg.store.path else out / "store"
+    path = out / f"rank{ctx.rank}" / "store" if ctx.enabled else base
+    tables = tuple(hashless(t) for t in cfg.store.tables) if ctx.enabled else cfg.store.tables
+    ckpt = latest_checkpoint(out) if resume else None
+    if ckpt is not None and (ckpt / _store_name(ctx)).exists():
+        if path.exists():
+            shutil.rmtree(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(ckpt / _store_name(ctx), path)
+        return embstore.open(path), path
+    if resume and ckpt is not None:  # checkpoint_store = "in_place": the store is the checkpoint
+        return embstore.open(path), path
+    if resume:
+        raise ConfigError("resume", f"no checkpoint under {str(out / 'checkpoints')!r} to resume from")
+    if path.exists():
+        raise ConfigError("store.path", f"{str(path)!r} already exists; pass --resume to continue or a new --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return embstore.create(path, StoreConfig(tables)), path
+
+
+def build_model(cfg: TrainConfig, store: embstore.Store, num_dense: int, ctx: DistContext) -> DLRM:
+    torch.manual_seed(cfg.schedule.seed)
+    names = [t.name for t in cfg.store.tables]
+    dim = cfg.store.tables[0].dim
+    kw = dict(optimizer=cfg.model.sparse_optimizer, lr=cfg.schedule.sparse_lr, lookahead=cfg.schedule.lookahead)
+    ebc = (ShardedEmbeddingBags(store, cfg.store.tables, ctx, **kw) if ctx.enabled
+           else TieredEmbeddingBagCollection(store, names, **kw))
+    m = cfg.model
+    return DLRM(ebc, len(names), dim, num_dense, list(m.dense_arch), list(m.over_arch), m.interaction,
+                m.dcn_layers, m.dcn_low_rank)
+
+
+def local_part(batch: ClickBatch, ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's dense features and labels of a global batch."""
+    per = batch.size // ctx.world
+    lo = ctx.rank * per
+    return batch.dense[lo:lo + per], batch.labels[lo:lo + per]
+
+
+@torch.no_grad()
+def run_eval(model: DLRM, batches: Iterator[ClickBatch], ctx: DistContext) -> EvalResult:
+    """Metrics over the held-out split (every rank's slice gathered when distributed)."""
+    model.eval()
+    logits, labels = [], []
+    for b in batches:
+        dense, y = local_part(b, ctx)
+        logits.append(model(dense, b.ids, b.offsets))
+        labels.append(y)
+    model.train()
+    z, y = torch.cat(logits), torch.cat(labels)
+    if ctx.enabled:
+        import torch.distributed as dist
+        zs = [torch.empty_like(z) for _ in range(ctx.world)]
+        ys = [torch.empty_like(y) for _ in range(ctx.world)]
+        dist.all_gather(zs, z)
+        dist.all_gather(ys, y)
+        z, y = torch.cat(zs), torch.cat(ys)
+    return evaluate(y.numpy(), z.numpy())
+
+
+def plot_curves(result: TrainResult, path: Path, smooth: int = 20) -> None:
+    """Training loss (moving average) and held-out AUC against the step, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    losses = np.asarray(result.losses)
+    if len(losses):
+        k = max(1, min(smooth, len(losses) // 5 or 1))
+        ma = np.convolve(losses, np.ones(k) / k, mode="valid")
+        a.plot(np.arange(len(losses)) + 1, losses, alpha=0.3, label="loss")
+        a.plot(np.arange(len(ma)) + k, ma, label=f"mean of {k}")
+        a.legend()
+    a.set(xlabel="step", ylabel="training log loss", title="training loss")
+    if result.evals:
+        steps = [s for s, _ in result.evals]
+        b.plot(steps, [e.auc for _, e in result.evals], marker="o", label="AUC")
+        b.plot(steps, [e.ne for _, e in result.evals], marker="s", label="NE")
+        b.legend()
+    b.set(xlabel="step", title="held-out AUC and normalised entropy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _store_name(ctx: DistContext) -> str:
+    return f"store_rank{ctx.rank}" if ctx.enabled else "store"
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    marker = out / "checkpoints" / "latest"
+    if not marker.exists():
+        return None
+    return out / "checkpoints" / marker.read_text().strip()
+
+
+def save_checkpoint(out: Path, step: int, model: DLRM, opt: torch.optim.Optimizer, result: TrainResult,
+                    store: embstore.Store, cfg: TrainConfig, ctx: DistContext) -> Path:
+    """Flush rows, copy the store (unless in_place), write this rank's state; rank 0 moves the ``latest`` marker."""
+    ckpt = out / "checkpoints" / f"step_{step}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    model.sparse_arch.ebc.flush()
+    store.flush()
+    if cfg.schedule.checkpoint_store == "copy":
+        dst = ckpt / _store_name(ctx)
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(store.path, dst)
+    state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "losses": result.losses, "evals": [(s, dataclasses.asdict(e)) for s, e in result.evals]}
+    tmp = ckpt / f"rank{ctx.rank}.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(ckpt / f"rank{ctx.rank}.pt")
+    if ctx.enabled:
+        import torch.distributed as dist
+        dist.barrier()
+    if ctx.is_main:
+        marker = out / "checkpoints" / "latest.tmp"
+        marker.write_text(ckpt.name)
+        marker.replace(out / "checkpoints" / "latest")
+    return ckpt
+
+
+def _boundaries(step: int, total: int, cfg: ScheduleConfig) -> int:
+    """The next step at which training pauses for an eval or a checkpoint."""
+    nxt = total
+    for every in (cfg.eval_every, cfg.checkpoint_every):
+        if every:
+            nxt = min(nxt, (step // every + 1) * every)
+    return nxt
+
+
+# --------------------------------------------------------------------------- the loop
+def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistContext = DistContext(),
+          progress: bool = True, stop_at: int | None = None) -> TrainResult:
+    """Train as configured, writing the store, checkpoints and curves under ``out``.
+
+    ``stop_at`` ends the run after that step (and its eval and checkpoint, if
+    due) without the final ones, as if killed there; the resume test uses it.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sched = cfg.schedule
+    data = Batches(cfg, ctx.world)
+    store, _ = build_store(cfg, out, ctx, resume)
+    model = build_model(cfg, store, data.num_dense, ctx)
+    dense_params = model.dense_parameters()
+    opt = dense_optimizer(cfg.model.dense_optimizer, dense_params, sched.dense_lr)
+    result = TrainResult()
+
+    ckpt = latest_checkpoint(out) if resume else None
+    if ckpt is not None:
+        state = torch.load(ckpt / f"rank{ctx.rank}.pt", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        result.step, result.losses = state["step"], list(state["losses"])
+        result.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]
+    elif ctx.enabled:
+        broadcast_parameters(model)
+
+    per_epoch = data.per_epoch()
+    total = per_epoch * sched.epochs if per_epoch else (sched.steps or 10**12)
+    if sched.steps:
+        total = min(total, sched.steps)
+    ebc = model.sparse_arch.ebc
+    batch_size = cfg.data.batch_size
+    stream = data.train(result.step, sched.epochs)
+    bar = _progress(progress and ctx.is_main, total, result.step)
+    t0, samples = time.perf_counter(), 0
+    exhausted = False
+    try:
+        while result.step < total and not exhausted:
+            end = _boundaries(result.step, total, sched)
+            if stop_at is not None:
+                end = min(end, stop_at)
+            segment = _take(stream, end - result.step)
+            n_before = result.step
+            for batch in ebc.pipeline(segment, sparse=ClickBatch.sparse):
+                dense, labels = local_part(batch, ctx)
+                logits = model(dense, batch.ids, batch.offsets)
+                loss = F.binary_cross_entropy_with_logits(logits, labels)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if ctx.enabled:
+                    loss = average_gradients(dense_params, loss)
+                opt.step()
+                result.step += 1
+                result.losses.append(float(loss.detach()))
+                samples += batch.size
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{result.losses[-1]:.4f}",
+                                    samples_s=f"{samples / (time.perf_counter() - t0):,.0f}")
+            if result.step - n_before < end - n_before:
+                exhausted = True  # a criteo pass ended before `total`
+            done = result.step >= total or exhausted
+            if (sched.eval_every and result.step % sched.eval_every == 0) or done:
+                ev = run_eval(model, data.holdout(), ctx)
+                result.evals.append((result.step, ev))
+                if ctx.is_main:
+                    _print(bar, f"step {result.step}: AUC {ev.auc:.4f}  log loss {ev.log_loss:.4f}  "
+                                f"NE {ev.ne:.4f}  ({ev.samples} held-out samples, CTR {ev.ctr:.3f})")
+                    plot_curves(result, out / "curves.png")
+            if (sched.checkpoint_every and result.step % sched.checkpoint_every == 0) or done:
+                save_checkpoint(out, result.step, model, opt, result, store, cfg, ctx)
+            if stop_at is not None and result.step >= stop_at and not done:
+                result.stopped_early = True  # as if killed here
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        ebc.release()
+        store.close()
+    elapsed = time.perf_counter() - t0
+    result.samples_per_s = samples / elapsed if elapsed > 0 else 0.0
+    if data.reader is not None:
+        result.malformed_lines = data.reader.stats.malformed
+    if ctx.is_main:
+        with open(out / "metrics.json", "w") as f:
+            json.dump({"step": result.step, "samples_per_s": result.samples_per_s,
+                       "malformed_lines": result.malformed_lines,
+                       "evals": [dict(step=s, **dataclasses.asdict(e)) for s, e in result.evals]}, f, indent=1)
+    return result
+
+
+def _take(it: Iterator[ClickBatch], n: int) -> Iterator[ClickBatch]:
+    for _ in range(n):
+        try:
+            yield next(it)
+        except StopIteration:
+            return
+
+
+def _progress(on: bool, total: int, initial: int) -> Any:
+    if not on:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total if total < 10**12 else None, initial=initial, unit="step", dynamic_ncols=True,
+                file=sys.stderr)
+
+
+def _print(bar: Any, text: str) -> None:
+    if bar is not None:
+        bar.write(text)
+    else:
+        print(text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m embstore.training CONFIG.toml [--resume] [--out DIR]`` (also under torchrun)."""
+    import argparse
+
+    from embstore.training.distributed import init_from_env
+    p = argparse.ArgumentParser(prog="python -m embstore.training", description="Train a DLRM from one TOML config.")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return run_from_args(args, init_from_env())
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("config", help="TOML with [data], [model], [store] and [schedule]")
+    p.add_argument("--out", default="train_out", help="directory for the store, checkpoints, curves.png "
+                                                      "and metrics.json (default: train_out)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run_from_args(args: Any, ctx: DistContext = DistContext()) -> int:
+    cfg = TrainConfig.from_toml(args.config)
+    result = train(cfg, args.out, resume=args.resume, ctx=ctx, progress=args.progress)
+    if ctx.is_main:
+        last = result.evals[-1][1] if result.evals else None
+        tail = f"  AUC {last.auc:.4f}  log loss {last.log_loss:.4f}  NE {last.ne:.4f}" if last else ""
+        print(f"trained {result.step} steps, {result.samples_per_s:,.0f} samples/s{tail}; "
+              f"curves in {Path(args.out) / 'curves.png'}")
+    return 0
+
+
+__all__ = ["Batches", "DataConfig", "ModelConfig", "ScheduleConfig", "StoreSection", "TrainConfig", "TrainResult",
+           "add_arguments", "build_model", "build_store", "latest_checkpoint", "main", "plot_curves", "run_eval",
+           "run_from_args", "save_checkpoint", "train"]
