@@ -45,6 +45,7 @@ from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader, SyntheticClicks
 from embstore.training.distributed import (DistContext, ShardedEmbeddingBags, average_gradients,
                                            broadcast_parameters, hashless)
+from embstore.training.registry import ModelSpec, save_model
 from embstore.training.dlrm import DENSE_OPTIMIZERS, DLRM, dense_optimizer
 from embstore.training.metrics import EvalResult, evaluate
 from embstore.training.optim import OPTIMIZERS
@@ -348,6 +349,14 @@ def build_model(cfg: TrainConfig, store: embstore.Store, num_dense: int, ctx: Di
                 m.dcn_layers, m.dcn_low_rank)
 
 
+def model_spec(cfg: TrainConfig, num_dense: int) -> ModelSpec:
+    """The shape a server needs to rebuild the trained model over the store (``training/registry.py``)."""
+    m = cfg.model
+    return ModelSpec(tuple(t.name for t in cfg.store.tables), cfg.store.tables[0].dim, num_dense,
+                     tuple(m.dense_arch), tuple(m.over_arch), m.interaction, m.dcn_layers, m.dcn_low_rank,
+                     m.sparse_optimizer)
+
+
 def local_part(batch: ClickBatch, ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's dense features and labels of a global batch."""
     per = batch.size // ctx.world
@@ -461,7 +470,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     out.mkdir(parents=True, exist_ok=True)
     sched = cfg.schedule
     data = Batches(cfg, ctx.world)
-    store, _ = build_store(cfg, out, ctx, resume)
+    store, store_path = build_store(cfg, out, ctx, resume)
     model = build_model(cfg, store, data.num_dense, ctx)
     dense_params = model.dense_parameters()
     opt = dense_optimizer(cfg.model.dense_optimizer, dense_params, sched.dense_lr)
@@ -525,6 +534,8 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
             if stop_at is not None and result.step >= stop_at and not done:
                 result.stopped_early = True  # as if killed here
                 break
+        if not result.stopped_early and not ctx.enabled:  # a sharded model has no single store to serve
+            save_model(store_path, "dlrm", model_spec(cfg, data.num_dense), model)
     finally:
         if bar is not None:
             bar.close()
