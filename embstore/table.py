@@ -8,8 +8,9 @@ from the unique rows through the inverse index.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -49,8 +50,9 @@ class Table:
         return self.config.dim
 
     # --- id handling -----------------------------------------------------------
-    def _rows_of(self, ids: Ids) -> np.ndarray:
-        """Raw ids -> physical row ids, (n,) or (n, rows_per_id) for QR."""
+    def physical_rows(self, ids: Ids) -> np.ndarray:
+        """Raw ids -> physical row ids, (n,) or (n, rows_per_id) for QR; IdOutOfRangeError when unhashed ids
+        fall outside the table."""
         if self.mapper is not None:
             return self.mapper(ids)
         if len(ids):
@@ -76,13 +78,33 @@ class Table:
 
     def _gather(self, ids: Ids) -> np.ndarray:
         """float32 (n, dim) rows for raw ids (validated)."""
-        rows = self._rows_of(ids)
+        rows = self.physical_rows(ids)
         flat = rows.reshape(-1)
         uniq, inv = unique_inverse(flat)
         vals = self._read_unique(uniq)[inv]
         if rows.ndim == 2:
             vals = self.mapper.combine(vals.reshape(len(ids), rows.shape[1], -1))
         return vals
+
+    @property
+    def memory_resident(self) -> bool:
+        """Whether the top tier covers every row (direct-mapped DRAM or device): lookups cost microseconds."""
+        top = self.hierarchy.caches[0] if self.hierarchy.caches else None
+        return top is not None and top.kind in ("dram", "device") and isinstance(top.directory, DirectDirectory)
+
+    @contextlib.contextmanager
+    def try_locked(self) -> Iterator[bool]:
+        """Hold the table's lock if it is free right now; yields whether it was taken (never waits).
+
+        Lets an event loop run a small in-memory lookup inline without ever
+        blocking on a write or flush in progress.
+        """
+        got = self._lock.acquire(blocking=False)
+        try:
+            yield got
+        finally:
+            if got:
+                self._lock.release()
 
     def full_dram_tier(self) -> DRAMTier | None:
         """The top tier when it is a direct-mapped DRAM slab of the whole table in float32, else None.
@@ -129,7 +151,7 @@ class Table:
         with self._lock:
             self._check_open()
             self.lookups += len(arr)
-            rows = self._rows_of(arr)
+            rows = self.physical_rows(arr)
             slab = self._resident_slab(rows)
             if slab is not None:
                 out = np.take(slab, rows, axis=0)
@@ -146,7 +168,7 @@ class Table:
         with self._lock:
             self._check_open()
             self.lookups += len(arr)
-            rows = self._rows_of(arr)
+            rows = self.physical_rows(arr)
             slab = self._resident_slab(rows)
             if slab is not None:
                 out = _torch_pool(slab, rows, offs, mode)
@@ -167,7 +189,7 @@ class Table:
                                     "shared rows and cannot be overwritten one id at a time; train it instead")
         with self._lock:
             self._check_open()
-            phys = self._rows_of(arr)
+            phys = self.physical_rows(arr)
             uniq, last = unique_last(phys)
             self.hierarchy.write(uniq, self.format.encode(vals[last]))
 

@@ -1,0 +1,151 @@
+"""A Python client for the lookup server (SPEC section 5), returning numpy arrays.
+
+::
+
+    from embstore.client import LookupClient, ServerError
+
+    with LookupClient("http://127.0.0.1:8000", token=None) as client:
+        rows = client.lookup("user_id", [3, 17, 3])                     # (3, dim) float32
+        bags = client.lookup_pooled("user_id", [7, 3, 3, 9, 1], [0, 3, 3, 5], mode="sum")
+        client.update("user_id", [3], np.ones((1, dim), np.float32))  # needs the token if the server has one
+        try:
+            client.lookup("nope", [1])
+        except ServerError as exc:
+            print(exc.status_code, exc.message)                        # 404 no table 'nope'; known tables: ...
+
+Lookups use the binary protocol (little-endian int64 ids in, float32 rows
+out) unless ``binary=False``, which uses JSON; both give the same bits. Every
+answer other than 2xx raises :class:`ServerError` with the HTTP status and the
+server's message; network failures raise httpx's own exceptions
+(``httpx.ConnectError``, ``httpx.TimeoutException``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from embstore.errors import EmbstoreError, InvalidInputError
+
+BINARY = "application/octet-stream"
+SHAPE_HEADER = "X-Embedding-Shape"
+
+
+class ServerError(EmbstoreError):
+    """The server answered with an error: ``status_code`` (400, 401, 404, 413, 422, 503, 504, ...) and
+    ``message`` (what was wrong and what is allowed)."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+
+
+def _ids(ids: Any, what: str = "ids") -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidInputError(f"{what} must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _decode(resp: httpx.Response) -> np.ndarray:
+    """Rows of a lookup answer, binary or JSON."""
+    if resp.headers.get("content-type", "").startswith(BINARY):
+        n, dim = (int(x) for x in resp.headers[SHAPE_HEADER].split(","))
+        return np.frombuffer(resp.content, dtype="<f4").astype(np.float32).reshape(n, dim)
+    data = resp.json()
+    return np.array(data["embeddings"], dtype=np.float32).reshape(-1, data["dim"])
+
+
+class LookupClient:
+    """Talks to one ``embstore serve`` server; a context manager (closes its connections)."""
+
+    def __init__(self, base_url: str, token: str | None = None, *, binary: bool = True, timeout: float = 30.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        self.binary = binary
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout,
+                                  transport=transport)
+
+    # --- plumbing --------------------------------------------------------------------
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        resp = self._http.request(method, path, **kwargs)
+        if resp.status_code >= 400:
+            try:
+                message = resp.json()["detail"]
+            except (ValueError, KeyError, TypeError):
+                message = resp.text or resp.reason_phrase
+            raise ServerError(resp.status_code, str(message))
+        return resp
+
+    @staticmethod
+    def _table(name: str, *rest: str) -> str:
+        return "/".join(("/v1/tables", quote(name, safe=""), *rest))
+
+    def _rows(self, path: str, json_body: dict[str, Any], binary_body: bytes,
+              params: dict[str, Any] | None = None) -> np.ndarray:
+        if self.binary:
+            resp = self._request("POST", path, content=binary_body, params=params,
+                                 headers={"Content-Type": BINARY, "Accept": BINARY})
+        else:
+            resp = self._request("POST", path, json=json_body, headers={"Accept": "application/json"})
+        return _decode(resp)
+
+    # --- API ---------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok"}`` when the server has its store open."""
+        return self._request("GET", "/healthz").json()
+
+    def tables(self) -> list[dict[str, Any]]:
+        """``[{"name", "num_embeddings", "dim", "dtype"}, ...]``."""
+        return self._request("GET", "/v1/tables").json()
+
+    def table(self, name: str) -> dict[str, Any]:
+        """Metadata, per-tier ``stats`` and ``pooled_cache`` counters of one table."""
+        return self._request("GET", self._table(name)).json()
+
+    def lookup(self, table: str, ids: Any) -> np.ndarray:
+        """Rows of ``ids``: float32 (len(ids), dim)."""
+        arr = _ids(ids)
+        return self._rows(self._table(table, "lookup"), {"ids": arr.tolist()}, arr.astype("<i8").tobytes())
+
+    def lookup_pooled(self, table: str, ids: Any, offsets: Any, mode: str = "sum") -> np.ndarray:
+        """Bags ``ids[offsets[b]:offsets[b+1]]`` pooled by ``mode``: float32 (len(offsets) - 1, dim)."""
+        arr, offs = _ids(ids), _ids(offsets, "offsets")
+        if len(offs) == 0:
+            raise InvalidInputError("offsets needs num_bags + 1 entries (at least [0])")
+        body = np.concatenate([offs, arr]).astype("<i8").tobytes()
+        return self._rows(self._table(table, "pooled"), {"ids": arr.tolist(), "offsets": offs.tolist(), "mode": mode},
+                          body, params={"num_bags": len(offs) - 1, "mode": mode})
+
+    def update(self, table: str, ids: Any, rows: Any) -> None:
+        """Overwrite the rows of ``ids`` (float rows of shape (len(ids), dim))."""
+        arr = _ids(ids)
+        values = np.asarray(rows, dtype=np.float32)
+        self._request("PUT", self._table(table, "rows"), json={"ids": arr.tolist(), "embeddings": values.tolist()})
+
+    def reload(self) -> dict[str, Any]:
+        """Make the server reopen its store from disk (needs the token if the server has one)."""
+        return self._request("POST", "/v1/admin/reload").json()
+
+    def metrics(self) -> str:
+        """The Prometheus text of ``/metrics``."""
+        return self._request("GET", "/metrics").text
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "LookupClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<LookupClient {str(self._http.base_url)!r} binary={self.binary}>"

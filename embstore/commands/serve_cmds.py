@@ -1,0 +1,80 @@
+"""`embstore serve`: the HTTP lookup server (SPEC section 5) under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from embstore.errors import StoreNotFoundError
+from embstore.store import MANIFEST_FILE
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a store over HTTP (lookups, pooled lookups, updates, metrics)",
+        description="Serve STORE over HTTP: GET /healthz, GET /v1/tables[/NAME], POST /v1/tables/NAME/lookup "
+                    "and /pooled (JSON or little-endian binary), PUT /v1/tables/NAME/rows, POST "
+                    "/v1/admin/reload, GET /metrics (Prometheus) and a status page at /. Written rows are "
+                    "flushed every --flush-interval seconds and on shutdown (Ctrl-C).")
+    p.add_argument("store", help="store directory (made with 'embstore create')")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding a bearer token; when given, writes and reloads need "
+                        "'Authorization: Bearer TOKEN'")
+    p.add_argument("--max-ids", type=_positive, default=1_000_000,
+                   help="ids per request; more is answered 413 (default 1000000)")
+    p.add_argument("--max-body-bytes", type=_positive, default=64 << 20,
+                   help="request body bytes; more is answered 413 (default 64 MiB)")
+    p.add_argument("--request-timeout", type=_seconds, default=30.0,
+                   help="seconds before a request is answered 504; 0 = no limit (default 30)")
+    p.add_argument("--flush-interval", type=_seconds, default=1.0,
+                   help="seconds between flushes of written rows; 0 = only on shutdown and reload (default 1)")
+    p.add_argument("--batch-wait-ms", type=_seconds, default=0.0,
+                   help="milliseconds an idle table waits for more lookups to read together; 0 = coalesce only "
+                        "what queues up while a read runs (default 0, at most 100)")
+    p.add_argument("--no-batching", action="store_true", help="read every lookup request on its own")
+    p.add_argument("--pooled-cache-bytes", type=int, default=32 << 20,
+                   help="per-table budget of the pooled-embedding cache; 0 = off (default 32 MiB)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from embstore.server import ServerSettings, create_app
+
+    store = Path(args.store)
+    if not (store / MANIFEST_FILE).exists():
+        raise StoreNotFoundError(f"no embstore store at {store} (missing {MANIFEST_FILE})")
+    token = ServerSettings.read_token(args.token_file) if args.token_file else None
+    settings = ServerSettings(store=store, token=token, max_ids=args.max_ids, max_body_bytes=args.max_body_bytes,
+                              request_timeout=args.request_timeout, flush_interval=args.flush_interval,
+                              batching=not args.no_batching, batch_wait=args.batch_wait_ms / 1000,
+                              pooled_cache_bytes=args.pooled_cache_bytes, freeze_gc=True)
+    level = logging.getLogger().getEffectiveLevel()
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, access_log=args.access_log,
+                log_level="info" if level <= logging.INFO else "warning")
+    return 0

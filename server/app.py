@@ -1,0 +1,236 @@
+"""The FastAPI app: thin routes over :mod:`embstore.server.state` (SPEC section 5).
+
+``create_app(settings)`` builds an app that opens the store in its lifespan,
+flushes written rows every ``flush_interval`` seconds and on shutdown, and
+answers:
+
+=================================  ==================================================
+``GET /healthz``                   ``{"status": "ok"}``
+``GET /v1/tables``                 ``[{"name", "num_embeddings", "dim", "dtype"}]``
+``GET /v1/tables/{name}``          metadata, ``stats`` (per tier), ``pooled_cache``
+``POST /v1/tables/{name}/lookup``  rows of ids (JSON or binary, see ``protocol``)
+``POST /v1/tables/{name}/pooled``  pooled bags (JSON or binary)
+``PUT /v1/tables/{name}/rows``     overwrite rows; ``204``; token when one is set
+``POST /v1/admin/reload``          reopen the store from disk; token when one is set
+``GET /metrics``                   Prometheus text
+``GET /``                          HTML status page
+=================================  ==================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hmac
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import HTMLResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from embstore.server import protocol, status_page
+from embstore.server.errors import ApiError, install_handlers
+from embstore.server.metrics import Metrics, StoreCollector
+from embstore.server.middleware import RequestMiddleware
+from embstore.server.protocol import (BINARY, EmbeddingsResponse, Health, LookupRequest, PooledRequest,
+                                      RowsRequest, TableDetail, TableInfo)
+from embstore.server.settings import ServerSettings
+from embstore.server.state import Served, StoreGate, TableService, offload
+from embstore.store import Store
+
+OFFLOAD_BYTES = 1 << 20  # bodies and answers beyond this are parsed / encoded in a worker thread
+
+_ERRORS = {400: "malformed body, invalid ids or offsets", 404: "unknown table",
+           413: "more ids than the server's limit, or body too large", 422: "wrong shapes",
+           503: "store unavailable (a reload failed)", 504: "request timed out"}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"description": _ERRORS[c]} for c in codes}
+
+
+def _rows_answer() -> dict[int | str, dict[str, Any]]:
+    return {200: {"description": "one float32 row per id (or per bag)",
+                  "content": {"application/json": {"schema": EmbeddingsResponse.model_json_schema()},
+                              BINARY: protocol.binary_body_schema(
+                                  "little-endian float32 rows; header X-Embedding-Shape: n,dim")}},
+            **_errors(400, 404, 413, 503, 504)}
+
+
+def _body(model: type, binary: str | None) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": model.model_json_schema()}}
+    if binary:
+        content[BINARY] = protocol.binary_body_schema(binary)
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def table_info(table: Any) -> dict[str, Any]:
+    cfg = table.config
+    return {"name": cfg.name, "num_embeddings": cfg.num_embeddings, "dim": cfg.dim, "dtype": cfg.dtype.value}
+
+
+def table_snapshot(svc: TableService) -> dict[str, Any]:
+    """Blocking: a table's metadata and every counter the server reports about it."""
+    b = svc.batcher.stats if svc.batcher is not None else None
+    return {**table_info(svc.table),
+            "tiers": [t.kind.value for t in svc.table.config.tiers],
+            "stats": svc.table.stats(),
+            "pooled_cache": svc.cache.stats(),
+            "lookups": svc.table.lookups,
+            "batching": {"requests": b.requests if b else 0, "batches": b.batches if b else 0}}
+
+
+def snapshot(served: Served | None) -> dict[str, dict[str, Any]]:
+    """Blocking: :func:`table_snapshot` of every table (empty when no store is open)."""
+    if served is None:
+        return {}
+    return {name: table_snapshot(svc) for name, svc in served.services.items()}
+
+
+def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | None = None) -> FastAPI:
+    """An app serving ``settings.store``; ``opener`` replaces ``embstore.open`` (tests)."""
+    gate = StoreGate(settings, opener) if opener is not None else StoreGate(settings)
+    metrics = Metrics()
+    metrics.registry.register(StoreCollector(lambda: snapshot(gate.current)))
+    token = settings.token.encode() if settings.token is not None else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gate.open()
+        if settings.freeze_gc:
+            gc.collect()
+            gc.freeze()
+        flusher = asyncio.create_task(gate.run_flusher()) if settings.flush_interval > 0 else None
+        try:
+            yield
+        finally:
+            if flusher is not None:
+                flusher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flusher
+            await gate.close()
+
+    app = FastAPI(title="embstore", version="1", lifespan=lifespan,
+                  description="Lookups of a tiered embedding store (embstore SPEC section 5).")
+    app.state.gate = gate
+    app.state.metrics = metrics
+    app.state.settings = settings
+    install_handlers(app)
+    app.add_middleware(RequestMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes,
+                       timeout=settings.request_timeout)
+
+    def require_token(request: Request) -> None:
+        if token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("latin-1"), token):
+            raise ApiError(401, "missing or wrong token: this server needs 'Authorization: Bearer TOKEN' "
+                                "for writes and admin calls", {"WWW-Authenticate": "Bearer"})
+
+    async def rows_answer(rows: Any, request: Request) -> Response:
+        binary = protocol.wants_binary(request)
+        if rows.nbytes > OFFLOAD_BYTES:
+            return await offload(protocol.rows_response, rows, binary)
+        return protocol.rows_response(rows, binary)
+
+    async def parse(fn: Callable[..., Any], body: bytes, *args: Any) -> Any:
+        """``fn(body, *args)``; large bodies are parsed in a worker thread."""
+        if len(body) > OFFLOAD_BYTES:
+            return await offload(fn, body, *args)
+        return fn(body, *args)
+
+    @app.get("/healthz", response_model=Health, responses=_errors(503))
+    async def healthz() -> dict[str, str]:
+        async with gate.lease():
+            return {"status": "ok"}
+
+    @app.get("/v1/tables", response_model=list[TableInfo], responses=_errors(503))
+    async def list_tables() -> list[dict[str, Any]]:
+        async with gate.lease() as served:
+            return [table_info(t) for t in served.store.tables.values()]
+
+    @app.get("/v1/tables/{name}", response_model=TableDetail, responses=_errors(404, 503))
+    async def get_table(name: str) -> dict[str, Any]:
+        async with gate.lease() as served:
+            return await offload(table_snapshot, served.service(name))
+
+    @app.post("/v1/tables/{name}/lookup", response_class=Response, responses=_rows_answer(),
+              openapi_extra=_body(LookupRequest, "little-endian int64 ids"))
+    async def lookup(name: str, request: Request) -> Response:
+        body = await request.body()
+        if len(body) > OFFLOAD_BYTES:
+            ids = await offload(protocol.parse_lookup, body, protocol.is_binary(request), settings.max_ids)
+        else:  # the hot path: a small binary lookup of a memory-resident table runs without a thread hop
+            ids = protocol.parse_lookup(body, protocol.is_binary(request), settings.max_ids)
+        async with gate.lease() as served:
+            rows = await served.service(name).lookup(ids)
+        if rows.nbytes > OFFLOAD_BYTES:
+            return await rows_answer(rows, request)
+        return protocol.rows_response(rows, protocol.wants_binary(request))
+
+    @app.post("/v1/tables/{name}/pooled", response_class=Response, responses=_rows_answer(),
+              openapi_extra=_body(PooledRequest, "num_bags + 1 little-endian int64 offsets, then the int64 ids "
+                                                 "(query parameters num_bags and mode)"))
+    async def pooled(name: str, request: Request,
+                     num_bags: Annotated[int | None, Query(ge=0, le=protocol.I64_MAX,
+                                                           description="bags in a binary body")] = None,
+                     mode: Annotated[Literal["sum", "mean"] | None,
+                                     Query(description="binary bodies: pooling mode (default sum)")] = None
+                     ) -> Response:
+        ids, offsets, how = await parse(protocol.parse_pooled, await request.body(), protocol.is_binary(request),
+                                        settings.max_ids, num_bags, mode)
+        async with gate.lease() as served:
+            rows = await served.service(name).lookup_pooled(ids, offsets, how)
+        return await rows_answer(rows, request)
+
+    @app.put("/v1/tables/{name}/rows", status_code=204, response_class=Response,
+             responses={401: {"description": "missing or wrong token"}, **_errors(400, 404, 413, 422, 503, 504)},
+             openapi_extra=_body(RowsRequest, None))
+    async def put_rows(name: str, request: Request) -> Response:
+        require_token(request)
+        body = await request.body()
+        async with gate.lease() as served:
+            dim = served.service(name).table.dim
+            ids, rows = await parse(protocol.parse_rows, body, settings.max_ids, dim)
+            await offload(served.update, name, ids, rows)
+        return Response(status_code=204)
+
+    @app.post("/v1/admin/reload", responses={401: {"description": "missing or wrong token"},
+                                             409: {"description": "the store on disk cannot be read"},
+                                             **_errors(503)})
+    async def reload(request: Request) -> dict[str, Any]:
+        require_token(request)
+        served = await gate.reload()
+        return {"status": "reloaded", "reloads": gate.reloads, "tables": list(served.services)}
+
+    async def current_snapshot() -> dict[str, dict[str, Any]]:
+        try:
+            async with gate.lease() as served:
+                return await offload(snapshot, served)
+        except ApiError:  # no store open: report the requests only
+            return {}
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+    async def prometheus() -> Response:
+        try:
+            async with gate.lease():
+                text = await offload(generate_latest, metrics.registry)
+        except ApiError:
+            text = await offload(generate_latest, metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def status() -> HTMLResponse:
+        snap = await current_snapshot()
+        state = "serving" if gate.current is not None else "no store open"
+        return HTMLResponse(status_page.render(str(settings.store), snap, metrics.rates.rates(),
+                                               dict(metrics.totals), gate.reloads, state))
+
+    # Starlette tries routes in order: put the hot ones before FastAPI's docs routes and the rest.
+    hot = ("/v1/tables/{name}/lookup", "/v1/tables/{name}/pooled")
+    app.router.routes.sort(key=lambda r: hot.index(r.path) if getattr(r, "path", None) in hot else len(hot))
+    return app

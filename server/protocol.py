@@ -1,0 +1,203 @@
+"""Wire formats: pydantic schemas for JSON, raw little-endian arrays for the binary protocol.
+
+Binary protocol (``Content-Type`` / ``Accept: application/octet-stream``):
+
+- ``/lookup`` request body: ``n`` little-endian int64 ids (8 * n bytes).
+- ``/pooled`` request body: ``num_bags + 1`` int64 offsets, then the int64 ids
+  (``offsets[-1]`` of them); ``num_bags`` and ``mode`` are query parameters::
+
+      POST /v1/tables/t/pooled?num_bags=3&mode=sum
+      body (int64 LE): 0 3 3 5 | 7 3 3 9 1        bags [7 3 3] [] [9 1]
+
+- answers: ``n * dim`` little-endian float32 values, row after row, with the
+  header ``X-Embedding-Shape: n,dim``.
+
+JSON answers are ``{"dim": D, "embeddings": [[...], ...]}``; every float32 is
+written as the shortest decimal of its exact double value, so JSON and binary
+answers decode to the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from embstore.errors import InvalidInputError, InvalidRowsError
+from embstore.server.errors import ApiError
+
+BINARY = "application/octet-stream"
+SHAPE_HEADER = "X-Embedding-Shape"
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+
+Int64 = Annotated[int, Field(strict=True, ge=I64_MIN, le=I64_MAX)]
+Float = Annotated[float, Field(strict=True)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LookupRequest(_Body):
+    """Rows of ``ids`` (raw feature values)."""
+
+    ids: list[Int64]
+
+
+class PooledRequest(_Body):
+    """Bags ``ids[offsets[b]:offsets[b+1]]`` pooled by ``mode``."""
+
+    ids: list[Int64]
+    offsets: list[Int64]
+    mode: Literal["sum", "mean"] = "sum"
+
+
+class RowsRequest(_Body):
+    """Overwrite the rows of ``ids`` with ``embeddings`` (one row of ``dim`` floats per id)."""
+
+    ids: list[Int64]
+    embeddings: list[list[Float]]
+
+
+class EmbeddingsResponse(BaseModel):
+    dim: int
+    embeddings: list[list[float]]
+
+
+class Health(BaseModel):
+    status: str
+
+
+class TableInfo(BaseModel):
+    name: str
+    num_embeddings: int
+    dim: int
+    dtype: str
+
+
+class PooledCacheStats(BaseModel):
+    hits: int
+    misses: int
+    hit_ratio: float
+    entries: int
+    bytes: int
+    capacity_bytes: int
+
+
+class BatchingStats(BaseModel):
+    requests: int
+    batches: int
+
+
+class TableDetail(TableInfo):
+    """Metadata, per-tier statistics (as ``Table.stats()``), the pooled-embedding cache and batching."""
+
+    tiers: list[str]
+    stats: dict[str, dict[str, int]]
+    pooled_cache: PooledCacheStats
+    batching: BatchingStats
+    lookups: int
+
+
+# --- request bodies -------------------------------------------------------------------
+def is_binary(request: Request) -> bool:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower() == BINARY
+
+
+def wants_binary(request: Request) -> bool:
+    return BINARY in request.headers.get("accept", "").lower()
+
+
+def _check_count(n: int, max_ids: int) -> None:
+    if n > max_ids:
+        raise ApiError(413, f"{n} ids in one request; this server allows at most {max_ids} "
+                            "(split the request)")
+
+
+def int64_array(body: bytes, what: str) -> np.ndarray:
+    """A binary body as int64 values; its length must be a multiple of 8."""
+    if len(body) % 8:
+        raise ApiError(400, f"malformed binary body: {what} are little-endian int64, so the body length "
+                            f"must be a multiple of 8 bytes, got {len(body)}")
+    return np.frombuffer(body, dtype="<i8").astype(np.int64, copy=False)
+
+
+def parse_lookup(body: bytes, binary: bool, max_ids: int) -> np.ndarray:
+    """int64 ids of a ``/lookup`` body."""
+    if binary:
+        _check_count(len(body) // 8, max_ids)
+        return int64_array(body, "ids")
+    req = LookupRequest.model_validate_json(body)
+    _check_count(len(req.ids), max_ids)
+    return np.array(req.ids, dtype=np.int64)
+
+
+def parse_pooled(body: bytes, binary: bool, max_ids: int, num_bags: int | None,
+                 mode: str | None) -> tuple[np.ndarray, np.ndarray, str]:
+    """(ids, offsets, mode) of a ``/pooled`` body (offsets are checked by the table)."""
+    if binary:
+        if num_bags is None:
+            raise ApiError(400, "a binary /pooled body needs the query parameter num_bags "
+                                "(the body is num_bags + 1 int64 offsets, then the int64 ids)")
+        values = int64_array(body, "offsets and ids")
+        if len(values) < num_bags + 1:
+            raise ApiError(400, f"malformed binary body: num_bags={num_bags} needs {num_bags + 1} offsets, "
+                                f"but the body holds only {len(values)} int64 values")
+        _check_count(len(values) - num_bags - 1, max_ids)
+        return values[num_bags + 1:], values[:num_bags + 1], mode or "sum"
+    if num_bags is not None:
+        raise ApiError(400, "num_bags is a query parameter of the binary protocol only; "
+                            "JSON bodies carry their offsets")
+    req = PooledRequest.model_validate_json(body)
+    _check_count(len(req.ids), max_ids)
+    if mode is not None and mode != req.mode:
+        raise ApiError(400, f"mode given twice: {mode!r} in the query and {req.mode!r} in the body")
+    return np.array(req.ids, dtype=np.int64), np.array(req.offsets, dtype=np.int64), req.mode
+
+
+def parse_rows(body: bytes, max_ids: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, float32 rows) of a ``PUT .../rows`` body; shapes are checked here (422)."""
+    req = RowsRequest.model_validate_json(body)
+    _check_count(len(req.ids), max_ids)
+    n = len(req.ids)
+    if len(req.embeddings) != n:
+        raise InvalidRowsError(f"embeddings must hold one row per id: {n} ids but {len(req.embeddings)} rows")
+    try:
+        with np.errstate(over="ignore"):
+            rows = np.array(req.embeddings, dtype=np.float32).reshape(n, -1) if n else \
+                np.zeros((0, dim), np.float32)
+    except ValueError:
+        raise InvalidRowsError(f"every embedding row must have dim = {dim} values; rows differ in length") \
+            from None
+    if rows.shape != (n, dim):
+        raise InvalidRowsError(f"embeddings must have shape ({n}, {dim}) (one row of dim = {dim} per id), "
+                               f"got ({n}, {rows.shape[1]})")
+    if rows.size and not np.isfinite(rows).all():
+        bad = int(np.argwhere(~np.isfinite(rows))[0][0])
+        raise InvalidRowsError(f"embeddings must be finite float32 values; row {bad} holds NaN, inf or a "
+                               "value beyond float32's range")
+    return np.array(req.ids, dtype=np.int64), rows
+
+
+def check_mode(mode: str) -> str:
+    if mode not in ("sum", "mean"):
+        raise InvalidInputError(f"mode must be 'sum' or 'mean', got {mode!r}")
+    return mode
+
+
+# --- answers ----------------------------------------------------------------------------
+def rows_response(rows: np.ndarray, binary: bool) -> Response:
+    """``rows`` (n, dim) float32 as a binary or JSON answer."""
+    n, dim = rows.shape
+    if binary:
+        return Response(np.ascontiguousarray(rows, dtype="<f4").tobytes(), media_type=BINARY,
+                        headers={SHAPE_HEADER: f"{n},{dim}"})
+    text = json.dumps({"dim": dim, "embeddings": rows.tolist()}, separators=(",", ":"))
+    return Response(text, media_type="application/json")
+
+
+def binary_body_schema(description: str) -> dict:
+    return {"schema": {"type": "string", "format": "binary"}, "description": description}

@@ -1,0 +1,254 @@
+"""The open store behind a server: per-table services, leases, periodic flush and hot reload.
+
+Every request that touches the store holds a *lease* on the current
+:class:`Served` (the open store and its per-table batchers and pooled caches)
+for as long as it uses it. Leases are counted on the event loop, so no lock is
+needed. A reload closes the gate to new leases (arrivals wait, they do not
+fail), waits until the leases in flight are returned, then - shielded from
+cancellation - flushes and closes the old store and opens the new one, and
+reopens the gate. The store is not opened twice at once because a store's tier
+files are exclusive to one open store (mmap homes flock, RocksDB locks, cache
+files are rebuilt on open).
+
+All store calls block (numba, io_uring), so they run in worker threads
+(:func:`offload`); a table serialises its own calls with its lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+import embstore
+from embstore.config import StoreConfig
+from embstore.errors import (CorruptStoreError, EmbstoreError, StoreNotFoundError,
+                             UnknownTableError)
+from embstore.server.batching import LookupBatcher
+from embstore.server.errors import ApiError
+from embstore.server.pooled_cache import PooledCache
+from embstore.server.protocol import check_mode
+from embstore.server.settings import ServerSettings
+from embstore.store import CONFIG_FILE, MANIFEST_FILE, Store
+from embstore.table import Table
+
+log = logging.getLogger("embstore.server")
+T = TypeVar("T")
+
+
+async def offload(fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking ``fn(*args)`` in a worker thread; a request timeout abandons (not kills) it."""
+    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
+async def offload_shielded(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` in a worker thread to completion, whatever cancels the caller."""
+    with anyio.CancelScope(shield=True):
+        return await anyio.to_thread.run_sync(fn, *args)
+
+
+INLINE_MAX_IDS = 1024  # memory-resident lookups up to this size run on the event loop
+
+
+class TableService:
+    """What the server keeps per table: validation, the lookup batcher and the pooled cache."""
+
+    def __init__(self, table: Table, settings: ServerSettings) -> None:
+        self.table = table
+        self.cache = PooledCache(table.lookup_pooled, self._rows_of, table.dim, settings.pooled_cache_bytes)
+        self.batcher = (LookupBatcher(table.lookup, offload, wait=settings.batch_wait,
+                                      max_ids=settings.batch_max_ids) if settings.batching else None)
+        # Run small lookups of memory-resident tables inline, but only when the table's lock is free
+        # right now: a write or flush in progress sends the request to a worker thread instead, so
+        # the event loop never waits on the lock.
+        self._inline_ok = table.memory_resident
+
+    def _inline(self, fn: Callable[..., T], n_ids: int, *args: Any) -> tuple[bool, T | None]:
+        """(True, fn(*args)) run right here if that cannot block, else (False, None)."""
+        if not self._inline_ok or n_ids > INLINE_MAX_IDS:
+            return False, None
+        with self.table.try_locked() as got:
+            return (True, fn(*args)) if got else (False, None)
+
+    def _rows_of(self, ids: np.ndarray) -> np.ndarray:
+        return self.table.physical_rows(ids)
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """The table's own range check, done before a request joins a batch."""
+        self.table.physical_rows(ids)
+
+    async def lookup(self, ids: np.ndarray) -> np.ndarray:
+        done, rows = self._inline(self.table.lookup, len(ids), ids)  # the table checks the ids itself
+        if done:
+            return rows
+        if self.batcher is not None:
+            self.check_ids(ids)  # one bad request must not fail the batch it joins
+            return await self.batcher.lookup(ids)
+        return await offload(self.table.lookup, ids)
+
+    async def lookup_pooled(self, ids: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
+        check_mode(mode)
+        self.check_ids(ids)
+        done, rows = self._inline(self.cache.lookup_pooled, len(ids), ids, offsets, mode)
+        if done:
+            return rows
+        return await offload(self.cache.lookup_pooled, ids, offsets, mode)
+
+    def update(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Blocking: write, then invalidate the cached bags holding those rows."""
+        self.table.update(ids, rows)
+        self.cache.note_write(ids)
+
+
+class Served:
+    """One open store and its table services."""
+
+    def __init__(self, store: Store, settings: ServerSettings) -> None:
+        self.store = store
+        self.services = {name: TableService(t, settings) for name, t in store.tables.items()}
+        self.dirty = False  # rows written since the last flush
+
+    def service(self, name: str) -> TableService:
+        try:
+            return self.services[name]
+        except KeyError:
+            raise UnknownTableError(name, list(self.services)) from None
+
+    def update(self, name: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        self.service(name).update(ids, rows)
+        self.dirty = True
+
+    def flush(self) -> None:
+        self.dirty = False  # before: writes landing during the flush mark it again
+        self.store.flush()
+
+
+def precheck_store(path: Path) -> None:
+    """Cheap checks that ``path`` holds a readable store, before the open one is given up."""
+    if not (path / MANIFEST_FILE).exists():
+        raise StoreNotFoundError(f"no embstore store at {path} (missing {MANIFEST_FILE})")
+    try:
+        json.loads((path / MANIFEST_FILE).read_text())
+        StoreConfig.from_toml(path / CONFIG_FILE)
+    except (OSError, ValueError) as exc:
+        raise CorruptStoreError(f"{path} cannot be read: {exc}") from exc
+
+
+class StoreGate:
+    """Hands out leases on the current :class:`Served`; reloads and flushes it."""
+
+    def __init__(self, settings: ServerSettings, opener: Callable[[Path], Store] = embstore.open) -> None:
+        self.settings = settings
+        self._opener = opener
+        self.current: Served | None = None
+        self.reloads = 0
+        self._active = 0
+        self._reopened: asyncio.Event | None = None  # set while a reload holds the gate
+        self._drained: asyncio.Event | None = None
+        self._reload_lock = asyncio.Lock()
+        self._unavailable = "the store is not open yet"
+
+    @property
+    def active(self) -> int:
+        """Leases in flight."""
+        return self._active
+
+    async def open(self) -> None:
+        self.current = Served(await offload_shielded(self._opener, self.settings.store), self.settings)
+
+    @asynccontextmanager
+    async def lease(self) -> AsyncIterator[Served]:
+        """The current store, kept open until the block exits."""
+        while self._reopened is not None:
+            await self._reopened.wait()
+        served = self.current
+        if served is None:
+            raise ApiError(503, self._unavailable)
+        self._active += 1
+        try:
+            yield served
+        finally:
+            self._active -= 1
+            if self._active == 0 and self._drained is not None:
+                self._drained.set()
+
+    async def _drain(self) -> None:
+        while self._active:
+            self._drained = asyncio.Event()
+            await self._drained.wait()
+        self._drained = None
+
+    async def reload(self) -> Served:
+        """Reopen the store from disk once the requests using the old one have finished."""
+        async with self._reload_lock:
+            try:  # refuse early and keep serving the open store
+                await offload(precheck_store, self.settings.store)
+            except (EmbstoreError, OSError) as exc:
+                raise ApiError(409, f"reload refused, still serving the store opened before: {exc}") from exc
+            self._reopened = asyncio.Event()
+            try:
+                await self._drain()
+                old, self.current = self.current, None
+                try:
+                    self.current = await offload_shielded(self._swap, old)
+                except Exception as exc:
+                    raise ApiError(503, self._unavailable) from exc
+                self.reloads += 1
+                return self.current
+            finally:
+                self._reopened.set()
+                self._reopened = None
+
+    def _swap(self, old: Served | None) -> Served:
+        if old is not None:
+            try:
+                old.store.close()  # flushes every acknowledged write first
+            except Exception as exc:  # still reopen: what the old store could not flush is lost either way
+                log.error("closing %s before the reload failed: %s", self.settings.store, exc)
+        try:
+            return Served(self._opener(self.settings.store), self.settings)
+        except Exception as exc:
+            self._unavailable = (f"the store could not be reopened ({exc}); "
+                                 "fix it and POST /v1/admin/reload")
+            log.error("reload of %s failed: %s", self.settings.store, exc)
+            raise
+
+    async def flush(self) -> None:
+        """Flush written rows (if any) of the current store."""
+        if self.current is None:  # a failed reload left nothing open: nothing to flush
+            return
+        async with self.lease() as served:
+            if served.dirty:
+                await offload_shielded(served.flush)
+
+    async def run_flusher(self) -> None:
+        """Flush every ``flush_interval`` seconds until cancelled."""
+        interval = self.settings.flush_interval
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep flushing later; the error is in the log
+                log.error("periodic flush failed: %s", exc)
+
+    async def close(self) -> None:
+        """Wait for leases, then flush and close the store."""
+        async with self._reload_lock:
+            self._reopened = asyncio.Event()
+            await self._drain()
+            served, self.current = self.current, None
+            self._unavailable = "the server is shutting down"
+            self._reopened.set()
+            self._reopened = None
+            if served is not None:
+                await offload_shielded(served.store.close)
