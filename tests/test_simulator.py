@@ -68,8 +68,12 @@ def test_levels_see_misses_of_level_above(keys, cuts, policy, c0, c1):
     assert r.levels[1].accesses == r.levels[0].misses
     assert r.home_reads == r.levels[1].misses
     assert r.levels[0].bytes_in == 8 * r.levels[0].misses
-    # MIN bounds every online policy of the same size
-    assert r.levels[0].hits <= belady_hits(dk, c0) if c0 else r.levels[0].hits == 0
+    # MIN (a miss always inserts) bounds every policy of the same size that also always inserts;
+    # an admission filter may bypass a row, which classic MIN does not model
+    if c0 == 0:
+        assert r.levels[0].hits == 0
+    elif "tinylfu" not in policy:
+        assert r.levels[0].hits <= belady_hits(dk, c0)
 
 
 @settings(max_examples=40, deadline=None)
