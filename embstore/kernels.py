@@ -62,13 +62,21 @@ def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _pool(rows, index, offsets, mean, out):
+def pool_rows(rows, index, offsets, mean, out):
+    """out[b] = sum (or mean) of rows[index[offsets[b]:offsets[b+1]], :out.shape[1]].
+
+    ``rows`` may be wider than ``out`` (a slab whose rows carry optimizer state
+    after the embedding): pass the contiguous slab, not a strided view, so the
+    inner loop vectorises.
+    """
     nb = offsets.shape[0] - 1
-    dim = rows.shape[1]
+    dim = out.shape[1]
     for b in numba.prange(nb):
         lo = offsets[b]
         hi = offsets[b + 1]
-        acc = np.zeros(dim, np.float32)
+        acc = out[b]
+        for d in range(dim):
+            acc[d] = 0.0
         for j in range(lo, hi):
             r = index[j]
             for d in range(dim):
@@ -77,12 +85,11 @@ def _pool(rows, index, offsets, mean, out):
             inv = np.float32(1.0) / np.float32(hi - lo)
             for d in range(dim):
                 acc[d] *= inv
-        out[b, :] = acc
 
 
 def pool(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
     """Bag b = sum (or mean) of ``rows[index[offsets[b]:offsets[b+1]]]``; empty bags are zeros."""
     out = np.empty((len(offsets) - 1, rows.shape[1]), np.float32)
-    _pool(np.ascontiguousarray(rows, np.float32), np.ascontiguousarray(index, np.int64),
-          np.ascontiguousarray(offsets, np.int64), mode == "mean", out)
+    pool_rows(np.ascontiguousarray(rows, np.float32), np.ascontiguousarray(index, np.int64),
+              np.ascontiguousarray(offsets, np.int64), mode == "mean", out)
     return out

@@ -29,36 +29,40 @@ def row_grads(grad_out, inv, offsets, mean, n_uniq):
 
 @numba.njit(cache=True, nogil=True, parallel=True)
 def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step):
-    """Apply optimizer ``kind`` (0 sgd, 1 rowwise_adagrad, 2 adagrad, 3 adam) to rows[slots] in place."""
-    dim = rows.shape[1]
-    for i in numba.prange(slots.shape[0]):
+    """Apply optimizer ``kind`` (0 sgd, 1 rowwise_adagrad, 2 adagrad, 3 adam) to rows[slots] in place.
+
+    ``rows`` may be wider than the gradient (a contiguous slab with the state
+    after the embedding); only its first ``g.shape[1]`` columns are updated.
+    """
+    dim = g.shape[1]
+    w = np.float32(wd)
+    for i in numba.prange(slots.shape[0]):  # no allocation per row: the gradient is read in place
         s = slots[i]
-        gi = g[i].copy()
-        if wd != 0.0:
-            for d in range(dim):
-                gi[d] += np.float32(wd) * rows[s, d]
         if kind == 0:
             for d in range(dim):
-                rows[s, d] -= np.float32(lr) * gi[d]
+                rows[s, d] -= np.float32(lr) * (g[i, d] + w * rows[s, d])
         elif kind == 1:
             acc = np.float32(0.0)
             for d in range(dim):
-                acc += gi[d] * gi[d]
+                gd = g[i, d] + w * rows[s, d]
+                acc += gd * gd
             state[s, 0] += acc / np.float32(dim)
             mult = np.float32(lr) / (np.sqrt(state[s, 0]) + np.float32(eps))
             for d in range(dim):
-                rows[s, d] -= mult * gi[d]
+                rows[s, d] -= mult * (g[i, d] + w * rows[s, d])
         elif kind == 2:
             for d in range(dim):
-                state[s, d] += gi[d] * gi[d]
-                rows[s, d] -= np.float32(lr) * gi[d] / (np.sqrt(state[s, d]) + np.float32(eps))
+                gd = g[i, d] + w * rows[s, d]
+                state[s, d] += gd * gd
+                rows[s, d] -= np.float32(lr) * gd / (np.sqrt(state[s, d]) + np.float32(eps))
         else:
             state[s, 2 * dim] += np.float32(1.0)
             t = np.float64(state[s, 2 * dim]) if global_step <= 0 else np.float64(global_step)
             step = np.float32(lr * np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
             for d in range(dim):
-                m = state[s, d] * np.float32(b1) + np.float32(1.0 - b1) * gi[d]
-                v = state[s, dim + d] * np.float32(b2) + np.float32(1.0 - b2) * gi[d] * gi[d]
+                gd = g[i, d] + w * rows[s, d]
+                m = state[s, d] * np.float32(b1) + np.float32(1.0 - b1) * gd
+                v = state[s, dim + d] * np.float32(b2) + np.float32(1.0 - b2) * gd * gd
                 state[s, d] = m
                 state[s, dim + d] = v
                 rows[s, d] -= step * m / (np.sqrt(v) + np.float32(eps))

@@ -36,10 +36,11 @@ from torch import nn
 
 from embstore.errors import IdOutOfRangeError, InvalidInputError
 from embstore.kernels import unique_inverse
+from embstore.kernels import pool_rows
 from embstore.training._kernels import row_grads, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import DEFAULT_EPS, OptimConfig, apply_update, check_optimizer, state_dim
-from embstore.training.working_set import make_working_set
+from embstore.training.working_set import ResidentWorkingSet, make_working_set
 
 log = logging.getLogger("embstore.training")
 
@@ -108,6 +109,24 @@ class _FusedBag(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
+class _ResidentBag(torch.autograd.Function):
+    """Pool straight out of a table's DRAM slab (no gather of the batch's rows); backward steps in place."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, slab: np.ndarray, dim: int, rows: np.ndarray, inv: np.ndarray,
+                n_uniq: int, offsets: np.ndarray, mode: str, step: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.inv, ctx.offsets, ctx.mean, ctx.n, ctx.step = inv, offsets, mode == "mean", n_uniq, step
+        out = np.empty((len(offsets) - 1, dim), np.float32)
+        pool_rows(slab, rows, offsets, mode == "mean", out)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, ...]:
+        g = row_grads(grad_out.to(torch.float32).contiguous().numpy(), ctx.inv, ctx.offsets, ctx.mean, ctx.n)
+        ctx.step(torch.from_numpy(g))
+        return (None,) * 9
+
+
 class TieredEmbeddingBagCollection(nn.Module):
     """Pooled embedding bags over store tables, trained with a fused row-wise optimizer (SPEC section 3)."""
 
@@ -172,6 +191,14 @@ class TieredEmbeddingBagCollection(nn.Module):
         for t, table in enumerate(self.tables):
             gather = self._gatherer(batch, t)
             qr = table.mapper is not None and table.mapper.rows_per_id != 1
+            if isinstance(self.ws[t], ResidentWorkingSet) and not qr:
+                ws = self.ws[t]
+                rows = batch.uniq[t][batch.inv[t]]
+                anchor = torch.empty(0, requires_grad=grad_on)
+                step = self._stepper(batch, t) if grad_on else None
+                outs.append(_ResidentBag.apply(anchor, ws.flat, ws.dim, rows, batch.inv[t], len(batch.uniq[t]),
+                                               batch.offsets[t], self.pooling, step))
+                continue
             if grad_on and not qr:
                 anchor = torch.empty(0, requires_grad=True)
                 dev = self.ws[t].device
@@ -376,7 +403,8 @@ class TieredEmbeddingBagCollection(nn.Module):
                 if ws.device.type == "cpu":
                     o = self.optim
                     gstep = self.steps + 1 if o.adam_step == "global" else 0
-                    step_rows(_KIND[o.name], ws.rows.numpy(), ws.state.numpy(), batch.slots[t], grad.numpy(),
+                    rows = ws.flat if isinstance(ws, ResidentWorkingSet) else ws.rows.numpy()
+                    step_rows(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], grad.numpy(),
                               o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep)
                 else:
                     idx = torch.from_numpy(batch.slots[t]).to(ws.device)

@@ -141,6 +141,7 @@ class ResidentWorkingSet:
         self.dim = table.format.dim
         self.state_dim = table.format.state_dim
         flat = tier.slab.view(np.float32)
+        self.flat = flat  # contiguous (rows, dim + state_dim): what the numba kernels take
         self.rows = torch.from_numpy(flat[:, :self.dim])
         self.state = torch.from_numpy(flat[:, self.dim:])
         self.dirty = tier.dirty  # the tier's own write-back bits
