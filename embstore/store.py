@@ -143,7 +143,10 @@ class Store:
                 f"this optimizer needs {state_dim}. Export its rows (embstore export), create a new store, and "
                 "import them before training")
         table.close()
-        shutil.rmtree(self.path / self._manifest["tables"][name]["dir"], ignore_errors=True)
+        folder = self.path / self._manifest["tables"][name]["dir"]
+        for item in folder.iterdir() if folder.is_dir() else ():  # tier files go; a hash mapping stays
+            if not item.name.startswith("hash"):
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
         manifest = json.loads(json.dumps(self._manifest))
         manifest["tables"][name]["state_dim"] = state_dim
         _write_metadata(self.path, self.config, manifest)

@@ -209,3 +209,7 @@ def test_learned_hash_table_is_self_contained(tmp_path) -> None:
     with pytest.raises(embstore.ConfigError, match="hash.mapping"):
         embstore.create(tmp_path / "s2", tmp_path / "c.toml")
     assert not (tmp_path / "s2").exists()
+    with embstore.open(tmp_path / "s") as s:  # re-laying out for optimizer state keeps the mapping
+        s.ensure_state_dim("t", 1)
+    with embstore.open(tmp_path / "s") as s:
+        assert s["t"].format.state_dim == 1 and s["t"].lookup(ids).shape == (50, 8)
