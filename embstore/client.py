@@ -8,10 +8,15 @@
         rows = client.lookup("user_id", [3, 17, 3])                     # (3, dim) float32
         bags = client.lookup_pooled("user_id", [7, 3, 3, 9, 1], [0, 3, 3, 5], mode="sum")
         client.update("user_id", [3], np.ones((1, dim), np.float32))  # needs the token if the server has one
+        scores = client.predict("dlrm", dense,                          # (2, dense_in_features) floats
+                                {"c1": [[4, 9], [7]], "c2": [[1], []]})   # per table: one id list per sample
         try:
             client.lookup("nope", [1])
         except ServerError as exc:
             print(exc.status_code, exc.message)                        # 404 no table 'nope'; known tables: ...
+
+``bags(ids, offsets)`` turns a flat id array and its ``num_bags + 1`` offsets
+into the per-sample id lists ``predict`` takes.
 
 Lookups use the binary protocol (little-endian int64 ids in, float32 rows
 out) unless ``binary=False``, which uses JSON; both give the same bits. Every
@@ -22,6 +27,7 @@ server's message; network failures raise httpx's own exceptions
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -60,6 +66,25 @@ def _decode(resp: httpx.Response) -> np.ndarray:
         return np.frombuffer(resp.content, dtype="<f4").astype(np.float32).reshape(n, dim)
     data = resp.json()
     return np.array(data["embeddings"], dtype=np.float32).reshape(-1, data["dim"])
+
+
+def bags(ids: Any, offsets: Any) -> list[list[int]]:
+    """Bags ``ids[offsets[b]:offsets[b+1]]`` as lists (the ``sparse`` form of :meth:`LookupClient.predict`)."""
+    arr, offs = _ids(ids), _ids(offsets, "offsets")
+    if len(offs) == 0 or offs[0] != 0 or offs[-1] != len(arr) or (np.diff(offs) < 0).any():
+        raise InvalidInputError(f"offsets must rise from 0 to len(ids) = {len(arr)} (num_bags + 1 entries)")
+    return [part.tolist() for part in np.split(arr, offs[1:-1])]
+
+
+def _bag_lists(table: str, value: Any) -> list[list[int]]:
+    out = []
+    for i, bag in enumerate(value):
+        arr = np.asarray(bag)
+        if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
+            raise InvalidInputError(f"sparse[{table!r}][{i}] must be a list of integer ids, got {arr.dtype} "
+                                    f"of shape {arr.shape}")
+        out.append(arr.astype(np.int64).tolist() if arr.size else [])
+    return out
 
 
 class LookupClient:
@@ -128,6 +153,20 @@ class LookupClient:
         arr = _ids(ids)
         values = np.asarray(rows, dtype=np.float32)
         self._request("PUT", self._table(table, "rows"), json={"ids": arr.tolist(), "embeddings": values.tolist()})
+
+    def models(self) -> list[dict[str, Any]]:
+        """``[{"name", "tables", "embedding_dim", "dense_in_features", "interaction"}, ...]``."""
+        return self._request("GET", "/v1/models").json()
+
+    def predict(self, model: str, dense: Any, sparse: Mapping[str, Any]) -> np.ndarray:
+        """Click probabilities (float32, one per sample) of ``model`` on ``dense`` (n, features) and
+        ``sparse`` {table: [ids of sample 0, ids of sample 1, ...]} (see :func:`bags`)."""
+        rows = np.asarray(dense, dtype=np.float64)
+        if rows.ndim != 2:
+            raise InvalidInputError(f"dense must be 2-D (samples, features), got shape {rows.shape}")
+        body = {"dense": rows.tolist(), "sparse": {str(t): _bag_lists(t, v) for t, v in sparse.items()}}
+        resp = self._request("POST", "/".join(("/v1/models", quote(model, safe=""), "predict")), json=body)
+        return np.array(resp.json()["scores"], dtype=np.float32)
 
     def reload(self) -> dict[str, Any]:
         """Make the server reopen its store from disk (needs the token if the server has one)."""

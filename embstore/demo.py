@@ -1,107 +1,359 @@
-"""`embstore demo`: the store end to end on embedded defaults, nothing external to start.
+"""`embstore demo`: the main job end to end on a synthetic click set, nothing external to start.
 
-Creates a store from an embedded TOML (a small device cache and a DRAM cache
-over an io_uring SSD home, plus a RocksDB-homed sparse table), bulk-imports
-rows, looks them up raw and pooled, updates some, reopens and checks that
-every write survived, and prints per-tier statistics.
+Four stages, each printed as it runs::
+
+    1. trace  a short run of the click stream looked up through a probe store, recorded
+              (embstore.recorder) -> trace.npz; `tune` picks each table's DRAM cache size and
+              policy for a small DRAM budget -> tuned.toml
+    2. train  a DLRM on the same stream (training.trainer.train) out of a store with the tuned
+              caches over io_uring SSD homes; the largest table is several times the DRAM
+              budget; look-ahead prefetch; held-out AUC / log loss / NE, curves.png, metrics.json
+    3. serve  the lookup server (uvicorn on a free loopback port) on the trained store: rows and
+              pooled bags through LookupClient must equal direct reads, and held-out samples are
+              scored with the served model (predict), which must equal scoring it directly
+    4. where  the store, trace, tuned TOML, curves and metrics
+
+``run(out, quick=..., steps=...)`` returns a summary dict (the test checks it).
+Full size (a 2M-row largest table, 1,200 steps of 1,024 samples) takes about 80 s on two
+cores; ``--quick`` about ten seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-import embstore
-from embstore.bulk import import_rows
-from embstore.commands.store_cmds import format_tier_stats
-
-DEMO_CONFIG = """
-[[table]]
-name = "item_id"
-num_embeddings = {rows}
-dim = 32
-dtype = "float32"
-init = {{ kind = "uniform", scale = 0.01, seed = 0 }}
-tiers = [
-  {{ kind = "device", capacity = "{device}", policy = "lru" }},
-  {{ kind = "dram",   capacity = "{dram}",   policy = "lru+tinylfu" }},
-  {{ kind = "ssd" }},
-]
-
-[[table]]
-name = "user_id"
-num_embeddings = 1_000_000_000
-dim = 16
-dtype = "float16"
-hash = {{ kind = "none" }}
-tiers = [
-  {{ kind = "dram", capacity = "1MiB", policy = "lfu" }},
-  {{ kind = "rocksdb" }},
-]
-"""
+__all__ = ["DemoSize", "FULL", "QUICK", "run"]
 
 
-def zipf(rng: np.random.Generator, n: int, universe: int, alpha: float = 1.05) -> np.ndarray:
-    ranks = np.arange(1, universe + 1, dtype=np.float64)
-    cdf = np.cumsum(ranks ** -alpha)
-    cdf /= cdf[-1]
-    return np.minimum(np.searchsorted(cdf, rng.random(n)), universe - 1).astype(np.int64)
+@dataclass(frozen=True)
+class DemoSize:
+    """Everything that scales: table rows, DRAM budget, batches."""
+
+    user_rows: int  # the largest table (several times the DRAM budget)
+    item_rows: int
+    site_rows: int
+    device_rows: int  # mod-hashed from a 10**9 raw id space
+    dram_budget: int  # bytes for all tables' DRAM caches together
+    batch_size: int
+    steps: int
+    trace_batches: int
+    eval_batches: int
+    served_samples: int  # held-out samples scored through the server
 
 
-def run(out_dir: str | Path | None = None, rows: int = 200_000, batches: int = 50, batch_size: int = 2048,
-        quiet: bool = False) -> dict:
-    """Run the demo; returns what it measured (used by the tests)."""
-    say = (lambda *a: None) if quiet else print
-    base = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="embstore-demo-"))
-    store_path = base / "store"
-    cfg_path = base / "demo.toml"
-    base.mkdir(parents=True, exist_ok=True)
-    row_bytes = 32 * 4
-    cfg_path.write_text(DEMO_CONFIG.format(rows=rows, device=f"{rows // 100 * row_bytes}",
-                                           dram=f"{rows // 10 * row_bytes}"))
-    say(f"1. creating a store at {store_path} from {cfg_path}")
-    store = embstore.create(store_path, cfg_path)
-    rng = np.random.default_rng(0)
-    items = store["item_id"]
-    say(f"   {items!r}\n   {store['user_id']!r}")
+FULL = DemoSize(user_rows=2_000_000, item_rows=200_000, site_rows=2_000, device_rows=100_000,
+                dram_budget=2 << 20, batch_size=1024, steps=1200, trace_batches=50, eval_batches=10,
+                served_samples=4096)
+QUICK = DemoSize(user_rows=20_000, item_rows=5_000, site_rows=200, device_rows=2_000,
+                 dram_budget=256 << 10, batch_size=256, steps=60, trace_batches=10, eval_batches=4,
+                 served_samples=512)
 
-    say(f"2. bulk-importing {rows:,} rows into item_id")
-    weights = rng.standard_normal((rows, 32), dtype=np.float32)
-    np.save(base / "item_rows.npy", weights)
-    with tqdm(total=rows, unit="row", unit_scale=True, disable=quiet) as bar:
-        import_rows(items, base / "item_rows.npy", progress=bar.update)
+DIM = 16
+NUM_DENSE = 13
+SPARSE_OPTIMIZER = "rowwise_adagrad"
+LOOKAHEAD = 2
+SEED = 0
 
-    say(f"3. looking up {batches} Zipf(1.05) batches of {batch_size} bags x 8 ids (pooled) and raw rows")
-    offsets = np.arange(0, batch_size * 8 + 1, 8, dtype=np.int64)
-    t0 = time.perf_counter()
-    for _ in tqdm(range(batches), unit="batch", disable=quiet):
-        ids = zipf(rng, batch_size * 8, rows)
-        pooled = items.lookup_pooled(ids, offsets)
-        np.testing.assert_allclose(pooled[0], weights[ids[:8]].sum(0), rtol=1e-4, atol=1e-5)
-    elapsed = time.perf_counter() - t0
-    raw = items.lookup(np.array([0, 1, rows - 1], np.int64))
-    assert np.array_equal(raw, weights[[0, 1, rows - 1]])
-    say(f"   {batches * batch_size * 8 / elapsed / 1e6:.2f} M ids/s pooled")
 
-    say("4. updating sparse user rows (ids up to 1e9, RocksDB home, float16) and reopening")
-    users = np.array([7, 123_456_789, 999_999_999], np.int64)
-    new = rng.standard_normal((3, 16)).astype(np.float32)
-    store["user_id"].update(users, new)
-    stats_before = {name: t.stats() for name, t in store.tables.items()}
-    store.close()
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _tables(size: DemoSize) -> list[tuple[str, int, int, bool]]:
+    """(name, rows, raw id space, hashed) of each table; the label depends on the first two."""
+    return [("user", size.user_rows, size.user_rows, False),
+            ("item", size.item_rows, size.item_rows, False),
+            ("site", size.site_rows, size.site_rows, False),
+            ("device", size.device_rows, 10**9, True)]
+
+
+def _clicks(size: DemoSize, steps: int) -> Any:
+    from embstore.training.data import SyntheticClicks
+
+    return SyntheticClicks(tuple(space for _, _, space, _ in _tables(size)), size.batch_size, max(steps, 1),
+                           NUM_DENSE, zipf_alpha=1.05, bag_min=1, bag_max=2, signal_tables=2, signal=2.0,
+                           seed=SEED)
+
+
+def _row_bytes() -> int:
+    """Bytes of one training row: float32 embedding plus its optimizer state (what a cache slot holds)."""
+    from embstore.rows import RowFormat
+    from embstore.training.optim import state_dim
+
+    return RowFormat(DIM, "float32", state_dim(SPARSE_OPTIMIZER, DIM)).row_bytes
+
+
+# --------------------------------------------------------------------------- 1. trace and tune
+def record_trace(size: DemoSize, steps: int, base: Path, say: Callable[..., None]) -> Path:
+    """Look the first batches of the click stream up through a probe store and record what its tiers see."""
+    import embstore
+    from embstore.config import HashConfig, StoreConfig, TableConfig, TierConfig
+    from embstore.recorder import record
+
+    probe_path = base / "probe_store"
+    tables = tuple(TableConfig(name, rows, DIM, hash=HashConfig("mod") if hashed else HashConfig("none"),
+                               tiers=(TierConfig("dram", 64 << 10, "lru"), TierConfig("mmap")))
+                   for name, rows, _, hashed in _tables(size))
+    clicks = _clicks(size, steps)
+    trace_path = base / "trace.npz"
+    with embstore.create(probe_path, StoreConfig(tables)) as probe, record(probe, trace_path) as rec:
+        for i in range(min(size.trace_batches, clicks.num_batches)):
+            batch = clicks.batch(i)
+            for (name, *_), ids, offsets in zip(_tables(size), batch.ids, batch.offsets):
+                probe[name].lookup_pooled(ids.numpy(), offsets.numpy())
+        trace = rec.trace()
+    shutil.rmtree(probe_path)
+    say(f"   recorded {trace.ids.size:,} row reads in {trace.num_batches} lookup calls "
+        f"({min(size.trace_batches, clicks.num_batches)} batches x {len(tables)} tables) -> {trace_path}")
+    return trace_path
+
+
+def tune_tiers(trace_path: Path, size: DemoSize, base: Path, say: Callable[..., None]) -> tuple[Any, Path]:
+    """``tune`` the recorded trace for the DRAM budget; print and save the recommendation."""
+    from embstore import traces
+    from embstore.tuning import tune
+
+    trace = traces.load(trace_path)
+    res = tune(trace, size.dram_budget, 0, row_bytes=_row_bytes(), dim=DIM)
+    tuned_path = base / "tuned.toml"
+    tuned_path.write_text(res.config().to_toml())
+    say(f"   {'table':<8} {'rows':>9} {'unique':>8} {'acc/byte':>9} {'dram rows':>10} {'policy':<12} "
+        f"{'home':<5} {'hit %':>6}")
+    rows = {name: n for name, n, _, _ in _tables(size)}
+    for p in res.tables:
+        hits = sum(lv.hits for lv in p.result.levels) if p.result else 0
+        say(f"   {p.name:<8} {rows[p.name]:>9,} {p.unique_rows:>8,} {p.bandwidth_per_byte:9.3g} "
+            f"{p.dram_rows:>10,} {p.dram_policy if p.dram_rows else '-':<12} {p.home:<5} "
+            f"{100 * hits / max(1, p.accesses):6.1f}")
+    tot = res.totals()
+    say(f"   DRAM used {_fmt_bytes(res.used_bytes()[1])} of {_fmt_bytes(size.dram_budget)}; expected "
+        f"{100 * tot['cache_hit_ratio']:.1f}% of deduplicated reads served from DRAM -> {tuned_path}")
+    return res, tuned_path
+
+
+# --------------------------------------------------------------------------- 2. train
+def train_config(size: DemoSize, steps: int, plan: Any) -> Any:
+    """The training run: the tuned DRAM caches over SSD homes, built in code."""
+    from embstore.config import HashConfig, InitConfig, TableConfig, TierConfig
+    from embstore.training.trainer import DataConfig, ModelConfig, ScheduleConfig, StoreSection, TrainConfig
+
+    row_bytes = _row_bytes()
+    plans = {p.name: p for p in plan.tables}
+    tables = []
+    for name, rows, _, hashed in _tables(size):
+        p = plans[name]
+        dram_rows = min(p.dram_rows, rows)
+        tiers = ((TierConfig("dram", dram_rows * row_bytes, p.dram_policy),) if dram_rows else ()) + \
+            (TierConfig("ssd"),)
+        tables.append(TableConfig(name, rows, DIM, init=InitConfig("uniform", 0.05),
+                                  hash=HashConfig("mod") if hashed else HashConfig("none"), tiers=tiers))
+    data = DataConfig(kind="synthetic", batch_size=size.batch_size, train_batches=steps,
+                      eval_batches=size.eval_batches, num_dense=NUM_DENSE, bag_min=1, bag_max=2,
+                      id_space=tuple(space for _, _, space, _ in _tables(size)))
+    model = ModelConfig(dense_arch=(32, DIM), over_arch=(64, 32, 1), sparse_optimizer=SPARSE_OPTIMIZER)
+    schedule = ScheduleConfig(epochs=1, eval_every=max(1, steps // 4), lookahead=LOOKAHEAD, dense_lr=0.02,
+                              sparse_lr=0.05, seed=SEED)
+    return TrainConfig(data, model, StoreSection("", tuple(tables)), schedule)
+
+
+# --------------------------------------------------------------------------- 3. serve
+def _direct_reads(store_path: Path, size: DemoSize, cfg: Any) -> dict[str, Any]:
+    """Rows, pooled bags and scores read straight from the store (before the server opens it)."""
+    import torch
+
+    import embstore
+    from embstore.training.registry import load_model, predict
+
+    rng = np.random.default_rng(7)
+    user_ids = np.concatenate([rng.integers(0, size.user_rows, 200), [0, size.user_rows - 1]]).astype(np.int64)
+    bag_ids = rng.integers(0, size.item_rows, 40).astype(np.int64)
+    bag_offsets = np.array([0, 5, 5, 17, 40], np.int64)  # bags of 5, 0, 12 and 23 ids
+    device_ids = np.array([7, 123_456_789, 999_999_999], np.int64)  # raw ids of the hashed table
+    samples = _holdout(size, cfg)
     with embstore.open(store_path) as store:
-        back = store["user_id"].lookup(users)
-        assert np.allclose(back, new.astype(np.float16).astype(np.float32))
-        assert np.array_equal(store["item_id"].lookup(np.array([5], np.int64))[0], weights[5])
-    say("   every write read back after reopening")
+        rows = store["user"].lookup(user_ids)
+        device_rows = store["device"].lookup(device_ids)
+        pooled = store["item"].lookup_pooled(bag_ids, bag_offsets, mode="sum")
+        model = load_model(store, "dlrm")
+        k = min(256, len(samples["labels"]))
+        scores = predict(model, torch.from_numpy(samples["dense"][:k]),
+                         [torch.from_numpy(i) for i in samples["ids_head"]],
+                         [torch.from_numpy(o) for o in samples["offsets_head"]]).numpy()
+        model.sparse_arch.ebc.release()
+    return {"user_ids": user_ids, "rows": rows, "device_ids": device_ids, "device_rows": device_rows,
+            "bag_ids": bag_ids, "bag_offsets": bag_offsets, "pooled": pooled, "samples": samples,
+            "direct_scores": scores}
 
-    say("5. per-tier statistics (before reopening)")
-    for name, st in stats_before.items():
-        say(f"   {name}")
-        say(format_tier_stats(st))
-    say(f"\nstore: {store_path}\nconfig: {cfg_path}")
-    return {"store": str(store_path), "stats": stats_before, "ids_per_s": batches * batch_size * 8 / elapsed}
+
+def _holdout(size: DemoSize, cfg: Any) -> dict[str, Any]:
+    """Held-out samples (never trained on), as per-table bag lists for the server and flat arrays."""
+    from embstore.client import bags
+    from embstore.training.trainer import Batches
+
+    need, dense, labels = size.served_samples, [], []
+    sparse: dict[str, list[list[int]]] = {name: [] for name, *_ in _tables(size)}
+    head_ids, head_offsets = None, None
+    for batch in Batches(cfg, 1).holdout():
+        if head_ids is None:  # the first batch's first 256 samples, for the direct-vs-served check
+            k = min(256, batch.size)
+            head_offsets = [o[:k + 1].numpy() for o in batch.offsets]
+            head_ids = [i[:int(o[-1])].numpy() for i, o in zip(batch.ids, head_offsets)]
+        dense.append(batch.dense.numpy())
+        labels.append(batch.labels.numpy())
+        for (name, *_), ids, offsets in zip(_tables(size), batch.ids, batch.offsets):
+            sparse[name].extend(bags(ids.numpy(), offsets.numpy()))
+        if sum(len(x) for x in labels) >= need:
+            break
+    n = min(need, sum(len(x) for x in labels))
+    return {"dense": np.concatenate(dense)[:n], "labels": np.concatenate(labels)[:n],
+            "sparse": {t: b[:n] for t, b in sparse.items()}, "ids_head": head_ids, "offsets_head": head_offsets}
+
+
+def serve_and_check(store_path: Path, size: DemoSize, cfg: Any, say: Callable[..., None]) -> dict[str, Any]:
+    """Serve the trained store; lookups and scores through the client must equal the direct reads."""
+    from embstore.client import LookupClient
+    from embstore.server import ServerSettings, create_app
+    from embstore.server.testing import ServerThread
+    from embstore.training.metrics import auc
+
+    direct = _direct_reads(store_path, size, cfg)
+    samples = direct["samples"]
+    with ServerThread(create_app(ServerSettings(store=store_path))) as srv, LookupClient(srv.url) as client:
+        say(f"   server up at {srv.url}; tables {[t['name'] for t in client.tables()]}, "
+            f"models {[m['name'] for m in client.models()]}")
+        rows = client.lookup("user", direct["user_ids"])
+        device_rows = client.lookup("device", direct["device_ids"])
+        pooled = client.lookup_pooled("item", direct["bag_ids"], direct["bag_offsets"], mode="sum")
+        rows_equal = bool(np.array_equal(rows, direct["rows"]) and np.array_equal(device_rows, direct["device_rows"]))
+        pooled_equal = bool(np.allclose(pooled, direct["pooled"], rtol=1e-6, atol=1e-7))
+        say(f"   {len(rows)} user rows + {len(device_rows)} hashed device rows: "
+            f"{'equal to' if rows_equal else 'DIFFERENT FROM'} direct reads (bit for bit)")
+        say(f"   {len(pooled)} pooled item bags (sizes {np.diff(direct['bag_offsets']).tolist()}): "
+            f"{'equal to' if pooled_equal else 'DIFFERENT FROM'} direct pooled reads")
+        t0 = time.perf_counter()
+        chunk = 1024
+        scores = np.concatenate([
+            client.predict("dlrm", samples["dense"][lo:lo + chunk],
+                           {t: b[lo:lo + chunk] for t, b in samples["sparse"].items()})
+            for lo in range(0, len(samples["labels"]), chunk)])
+        predict_s = time.perf_counter() - t0
+    k = len(direct["direct_scores"])
+    scores_equal = bool(np.allclose(scores[:k], direct["direct_scores"], rtol=0, atol=1e-6))
+    served_auc = float(auc(samples["labels"], scores))
+    say(f"   scored {len(scores):,} held-out samples with the served model in {predict_s:.2f} s; first five: "
+        + ", ".join(f"{s:.3f} (clicked {int(y)})" for s, y in zip(scores[:5], samples["labels"][:5])))
+    say(f"   served AUC {served_auc:.4f}; the first {k} scores {'equal' if scores_equal else 'DIFFER FROM'} "
+        "the model scored directly from the store")
+    return {"rows_equal": rows_equal, "pooled_equal": pooled_equal, "scores_equal": scores_equal,
+            "served_auc": served_auc, "served_samples": int(len(scores)), "first_scores": scores[:5].tolist()}
+
+
+# --------------------------------------------------------------------------- the whole job
+@contextlib.contextmanager
+def _quiet_logs(names: tuple[str, ...] = ("httpx", "embstore.store")) -> Iterator[None]:
+    """Keep per-request and per-table INFO lines out of the demo's own progress output."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def run(out_dir: str | Path | None = None, *, quick: bool = False, steps: int | None = None,
+        quiet: bool = False) -> dict[str, Any]:
+    """Run the demo (see the module doc); returns a summary of what it did and where the files are."""
+    with _quiet_logs():
+        return _run(out_dir, quick, steps, quiet)
+
+
+def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool) -> dict[str, Any]:
+    from embstore.training.trainer import train
+
+    say: Callable[..., None] = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    size = QUICK if quick else FULL
+    steps = size.steps if steps is None else steps
+    if steps < 1:
+        from embstore.errors import InvalidInputError
+        raise InvalidInputError(f"steps must be >= 1, got {steps}")
+    base = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="embstore-demo-"))
+    base.mkdir(parents=True, exist_ok=True)
+    run_dir = base / "train"
+    if run_dir.exists() or (base / "probe_store").exists():
+        from embstore.errors import InvalidInputError
+        raise InvalidInputError(f"{base} already holds a demo run; give a new --out")
+    timings: dict[str, float] = {}
+    row_bytes = _row_bytes()
+    largest = size.user_rows * row_bytes
+    say(f"embstore demo{' (quick)' if quick else ''}: synthetic clicks, 4 tables of dim {DIM}, "
+        f"{steps} steps of {size.batch_size} samples, DRAM budget {_fmt_bytes(size.dram_budget)} "
+        f"(largest table 'user': {size.user_rows:,} rows = {_fmt_bytes(largest)}, "
+        f"{largest / size.dram_budget:.1f}x the budget); output in {base}")
+
+    t0 = time.perf_counter()
+    say(f"\n1. recording a short run ({size.trace_batches} batches) and tuning tiers for "
+        f"{_fmt_bytes(size.dram_budget)} of DRAM")
+    trace_path = record_trace(size, steps, base, say)
+    plan, tuned_path = tune_tiers(trace_path, size, base, say)
+    timings["trace_and_tune_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    cfg = train_config(size, steps, plan)
+    say(f"\n2. training a DLRM ({cfg.model.interaction} interaction, {SPARSE_OPTIMIZER} rows, look-ahead "
+        f"{LOOKAHEAD}) out of the tuned store: DRAM caches over io_uring SSD homes")
+    for t in cfg.store.tables:
+        tiers = " -> ".join(f"{tc.kind.value}" + (f" {_fmt_bytes(tc.capacity)} {tc.policy}" if tc.capacity else "")
+                            for tc in t.tiers)
+        say(f"   {t.name:<8} {t.num_embeddings:>9,} rows  {tiers}")
+    result = train(cfg, run_dir, progress=not quiet)
+    timings["train_s"] = time.perf_counter() - t0
+    last = result.evals[-1][1]
+    store_path = run_dir / "store"
+    say(f"   trained {result.step} steps at {result.samples_per_s:,.0f} samples/s: held-out AUC {last.auc:.4f}, "
+        f"log loss {last.log_loss:.4f}, NE {last.ne:.4f} ({last.samples:,} samples, CTR {last.ctr:.3f})")
+    say(f"   curves: {run_dir / 'curves.png'}")
+
+    t0 = time.perf_counter()
+    say("\n3. serving the trained store over HTTP and checking the answers")
+    served = serve_and_check(store_path, size, cfg, say)
+    timings["serve_s"] = time.perf_counter() - t0
+
+    files = {"out": base, "store": store_path, "trace": trace_path, "tuned_toml": tuned_path,
+             "curves": run_dir / "curves.png", "metrics": run_dir / "metrics.json",
+             "model": store_path / "models" / "dlrm", "summary": base / "summary.json"}
+    summary: dict[str, Any] = {
+        "quick": quick, "steps": result.step, "size": asdict(size),
+        "train": {"auc": last.auc, "log_loss": last.log_loss, "ne": last.ne, "samples": last.samples,
+                  "samples_per_s": result.samples_per_s},
+        "tuned": {p.name: {"dram_rows": p.dram_rows, "policy": p.dram_policy, "home": p.home,
+                           "unique_rows": p.unique_rows} for p in plan.tables},
+        "served": served, "timings": timings, **{k: str(v) for k, v in files.items()}}
+    files["summary"].write_text(json.dumps(summary, indent=1))
+    ok = served["rows_equal"] and served["pooled_equal"] and served["scores_equal"]
+    say(f"\n4. done in {sum(timings.values()):.0f} s (trace+tune {timings['trace_and_tune_s']:.0f} s, "
+        f"train {timings['train_s']:.0f} s, serve {timings['serve_s']:.0f} s); "
+        f"{'every served answer matched the store' if ok else 'SOME SERVED ANSWERS DID NOT MATCH'}")
+    width = max(len(k) for k in files)
+    for key in ("store", "model", "trace", "tuned_toml", "curves", "metrics", "summary"):
+        say(f"   {key:<{width}}  {files[key]}")
+    say(f"   try: embstore stats {store_path}   |   embstore replay {trace_path} --policy lru,lru+tinylfu "
+        f"--capacity 0.01,0.1   |   embstore serve {store_path}")
+    return summary

@@ -11,7 +11,9 @@ answers:
 ``POST /v1/tables/{name}/lookup``  rows of ids (JSON or binary, see ``protocol``)
 ``POST /v1/tables/{name}/pooled``  pooled bags (JSON or binary)
 ``PUT /v1/tables/{name}/rows``     overwrite rows; ``204``; token when one is set
-``POST /v1/admin/reload``          reopen the store from disk; token when one is set
+``GET /v1/models``                 ``[{"name", "tables", "embedding_dim", "dense_in_features", ...}]``
+``POST /v1/models/{name}/predict``  click probabilities of samples (JSON, see ``protocol``)
+``POST /v1/admin/reload``          reopen the store (and its models) from disk; token when one is set
 ``GET /metrics``                   Prometheus text
 ``GET /``                          HTML status page
 =================================  ==================================================
@@ -23,10 +25,12 @@ import asyncio
 import contextlib
 import gc
 import hmac
+import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,17 +39,17 @@ from embstore.server import protocol, status_page
 from embstore.server.errors import ApiError, install_handlers
 from embstore.server.metrics import Metrics, StoreCollector
 from embstore.server.middleware import RequestMiddleware
-from embstore.server.protocol import (BINARY, EmbeddingsResponse, Health, LookupRequest, PooledRequest,
-                                      RowsRequest, TableDetail, TableInfo)
+from embstore.server.protocol import (BINARY, EmbeddingsResponse, Health, LookupRequest, ModelInfo, PooledRequest,
+                                      PredictRequest, PredictResponse, RowsRequest, TableDetail, TableInfo)
 from embstore.server.settings import ServerSettings
 from embstore.server.state import Served, StoreGate, TableService, offload
 from embstore.store import Store
 
 OFFLOAD_BYTES = 1 << 20  # bodies and answers beyond this are parsed / encoded in a worker thread
 
-_ERRORS = {400: "malformed body, invalid ids or offsets", 404: "unknown table",
-           413: "more ids than the server's limit, or body too large", 422: "wrong shapes",
-           503: "store unavailable (a reload failed)", 504: "request timed out"}
+_ERRORS = {400: "malformed body, invalid ids or offsets", 404: "unknown table or model",
+           413: "more ids than the server's limit, or body too large", 422: "wrong shapes or non-finite values",
+           503: "store or model unavailable (a reload failed)", 504: "request timed out"}
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -198,13 +202,32 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
             await offload(served.update, name, ids, rows)
         return Response(status_code=204)
 
+    @app.get("/v1/models", response_model=list[ModelInfo], responses=_errors(503))
+    async def list_models() -> list[dict[str, Any]]:
+        async with gate.lease() as served:
+            return [m.info() for _, m in sorted(served.models.items())]
+
+    @app.post("/v1/models/{name}/predict", response_model=PredictResponse,
+              responses=_errors(400, 404, 413, 422, 503, 504), openapi_extra=_body(PredictRequest, None))
+    async def predict(name: str, request: Request) -> Response:
+        body = await request.body()
+        async with gate.lease() as served:
+            model = served.model(name)
+            spec = model.spec
+            dense, ids, offsets = await parse(protocol.parse_predict, body, settings.max_ids, spec.tables,
+                                              spec.dense_in_features)
+            scores = await model.predict(dense, ids, offsets)
+        text = json.dumps({"scores": scores.astype(np.float64).tolist()}, separators=(",", ":"))
+        return Response(text, media_type="application/json")
+
     @app.post("/v1/admin/reload", responses={401: {"description": "missing or wrong token"},
                                              409: {"description": "the store on disk cannot be read"},
                                              **_errors(503)})
     async def reload(request: Request) -> dict[str, Any]:
         require_token(request)
         served = await gate.reload()
-        return {"status": "reloaded", "reloads": gate.reloads, "tables": list(served.services)}
+        return {"status": "reloaded", "reloads": gate.reloads, "tables": list(served.services),
+                "models": sorted(served.models)}
 
     async def current_snapshot() -> dict[str, dict[str, Any]]:
         try:

@@ -12,6 +12,11 @@ Binary protocol (``Content-Type`` / ``Accept: application/octet-stream``):
 - answers: ``n * dim`` little-endian float32 values, row after row, with the
   header ``X-Embedding-Shape: n,dim``.
 
+``/v1/models/{name}/predict`` is JSON only: ``{"dense": [[...] per sample],
+"sparse": {"table": [[ids of sample 0], [ids of sample 1], ...], ...}}``, one
+bag list per table of the model, answered ``{"scores": [...]}`` (click
+probabilities, float32 values written exactly).
+
 JSON answers are ``{"dim": D, "embeddings": [[...], ...]}``; every float32 is
 written as the shortest decimal of its exact double value, so JSON and binary
 answers decode to the same bits.
@@ -19,6 +24,7 @@ answers decode to the same bits.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Annotated, Literal
 
@@ -65,6 +71,25 @@ class RowsRequest(_Body):
 class EmbeddingsResponse(BaseModel):
     dim: int
     embeddings: list[list[float]]
+
+
+class PredictRequest(_Body):
+    """Score samples: ``dense`` rows of the model's dense width, and per table one id list per sample."""
+
+    dense: list[list[Float]]
+    sparse: dict[str, list[list[Int64]]]
+
+
+class PredictResponse(BaseModel):
+    scores: list[float]
+
+
+class ModelInfo(BaseModel):
+    name: str
+    tables: list[str]
+    embedding_dim: int
+    dense_in_features: int
+    interaction: str
 
 
 class Health(BaseModel):
@@ -180,6 +205,52 @@ def parse_rows(body: bytes, max_ids: int, dim: int) -> tuple[np.ndarray, np.ndar
         raise InvalidRowsError(f"embeddings must be finite float32 values; row {bad} holds NaN, inf or a "
                                "value beyond float32's range")
     return np.array(req.ids, dtype=np.int64), rows
+
+
+def parse_predict(body: bytes, max_ids: int, tables: tuple[str, ...], width: int
+                  ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """(dense float32 (B, width), per-table ids, per-table offsets of B + 1 entries) of a predict body.
+
+    Tables come back in the model's order ``tables``. Structure errors (a table
+    missing or unknown, bag lists whose sample count differs from ``dense``) are
+    400; dense rows of the wrong width or non-finite values are 422; more ids
+    than ``max_ids`` (over all tables) is 413.
+    """
+    req = PredictRequest.model_validate_json(body)
+    total = sum(len(bag) for bags in req.sparse.values() for bag in bags)
+    _check_count(total, max_ids)
+    missing = [t for t in tables if t not in req.sparse]
+    unknown = sorted(set(req.sparse) - set(tables))
+    if missing or unknown:
+        what = (f"missing table(s) {', '.join(map(repr, missing))}" if missing else "") + \
+               ("; " if missing and unknown else "") + \
+               (f"table(s) {', '.join(map(repr, unknown))} not used by this model" if unknown else "")
+        raise ApiError(400, f"malformed body: sparse must hold exactly the model's tables "
+                            f"({', '.join(tables)}); {what}")
+    n = len(req.dense)
+    for t in tables:
+        if len(req.sparse[t]) != n:
+            raise ApiError(400, f"malformed body: sparse[{t!r}] holds {len(req.sparse[t])} bag lists but dense "
+                                f"holds {n} samples; give one id list per sample")
+    bad = next((i for i, row in enumerate(req.dense) if len(row) != width), None)
+    if bad is not None:
+        raise ApiError(422, f"dense rows must have {width} values (the model's dense features); "
+                            f"row {bad} has {len(req.dense[bad])}")
+    with np.errstate(over="ignore"):
+        dense = np.array(req.dense, dtype=np.float32).reshape(n, width)
+    if dense.size and not np.isfinite(dense).all():
+        row = int(np.argwhere(~np.isfinite(dense))[0][0])
+        raise ApiError(422, f"dense features must be finite float32 values; row {row} holds NaN, inf or a "
+                            "value beyond float32's range")
+    ids, offsets = [], []
+    for t in tables:
+        bags = req.sparse[t]
+        lens = np.fromiter(map(len, bags), dtype=np.int64, count=n)
+        offs = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=offs[1:])
+        ids.append(np.fromiter(itertools.chain.from_iterable(bags), dtype=np.int64, count=int(offs[-1])))
+        offsets.append(offs)
+    return dense, ids, offsets
 
 
 def check_mode(mode: str) -> str:

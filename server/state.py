@@ -12,6 +12,14 @@ files are rebuilt on open).
 
 All store calls block (numba, io_uring), so they run in worker threads
 (:func:`offload`); a table serialises its own calls with its lock.
+
+The trained models kept in the store (``STORE/models/NAME``, see
+``training/registry.py``) are loaded with the store, at startup and on every
+reload, so a reload picks up a newly trained model. A model's embedding-bag
+collection is not thread-safe, so each model scores one request at a time:
+requests queue on an asyncio lock (no worker thread waits), and the worker
+holds a thread lock too, because a timed-out request abandons - does not
+stop - its thread.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -108,13 +117,90 @@ class TableService:
         self.cache.note_write(ids)
 
 
+class ModelService:
+    """One trained model over the served store, scoring one request at a time."""
+
+    def __init__(self, name: str, model: Any) -> None:
+        self.name = name
+        self.model = model
+        self.spec = model.spec
+        self._thread_lock = threading.Lock()
+        self._queue = asyncio.Lock()
+
+    def info(self) -> dict[str, Any]:
+        s = self.spec
+        return {"name": self.name, "tables": list(s.tables), "embedding_dim": s.embedding_dim,
+                "dense_in_features": s.dense_in_features, "interaction": s.interaction}
+
+    def score(self, dense: np.ndarray, ids: list[np.ndarray], offsets: list[np.ndarray]) -> np.ndarray:
+        """Blocking: click probabilities, float32 (batch,)."""
+        if len(dense) == 0:
+            return np.zeros(0, np.float32)
+        import torch
+
+        from embstore.training.registry import predict
+
+        with self._thread_lock:
+            out = predict(self.model, torch.from_numpy(dense), [torch.from_numpy(i) for i in ids],
+                          [torch.from_numpy(o) for o in offsets])
+        return out.numpy().astype(np.float32, copy=False)
+
+    async def predict(self, dense: np.ndarray, ids: list[np.ndarray], offsets: list[np.ndarray]) -> np.ndarray:
+        async with self._queue:
+            return await offload(self.score, dense, ids, offsets)
+
+    def close(self) -> None:
+        with self._thread_lock:
+            self.model.sparse_arch.ebc.release()
+
+
+def load_models(store: Store) -> tuple[dict[str, ModelService], dict[str, str]]:
+    """Blocking: every model kept in ``store`` -> (services, {name: why it could not be loaded})."""
+    from embstore.training.registry import list_models
+
+    names = list_models(store.path)
+    if not names:
+        return {}, {}
+    from embstore.training.registry import load_model
+
+    models, broken = {}, {}
+    for name in names:
+        try:
+            models[name] = ModelService(name, load_model(store, name))
+        except Exception as exc:  # one unreadable model must not keep the store's tables from being served
+            broken[name] = f"{type(exc).__name__}: {exc}"
+            log.error("model %s in %s cannot be loaded: %s", name, store.path, exc)
+    return models, broken
+
+
 class Served:
-    """One open store and its table services."""
+    """One open store, its table services and its models."""
 
     def __init__(self, store: Store, settings: ServerSettings) -> None:
         self.store = store
+        # models first: loading one may re-lay-out an empty table (optimizer state), replacing its object
+        self.models, self.broken_models = load_models(store)
         self.services = {name: TableService(t, settings) for name, t in store.tables.items()}
         self.dirty = False  # rows written since the last flush
+
+    def model(self, name: str) -> ModelService:
+        try:
+            return self.models[name]
+        except KeyError:
+            pass
+        if name in self.broken_models:
+            raise ApiError(503, f"model {name!r} could not be loaded ({self.broken_models[name]}); fix it and "
+                                "POST /v1/admin/reload")
+        raise ApiError(404, f"no model {name!r}; known models: {', '.join(sorted(self.models)) or '(none)'}")
+
+    def close(self) -> None:
+        """Blocking: release the models, then flush and close the store."""
+        for m in self.models.values():
+            try:
+                m.close()
+            except Exception as exc:
+                log.error("releasing model %s failed: %s", m.name, exc)
+        self.store.close()
 
     def service(self, name: str) -> TableService:
         try:
@@ -162,7 +248,15 @@ class StoreGate:
         return self._active
 
     async def open(self) -> None:
-        self.current = Served(await offload_shielded(self._opener, self.settings.store), self.settings)
+        self.current = await offload_shielded(self._open_served)
+
+    def _open_served(self) -> Served:
+        store = self._opener(self.settings.store)
+        try:
+            return Served(store, self.settings)
+        except BaseException:
+            store.close()
+            raise
 
     @asynccontextmanager
     async def lease(self) -> AsyncIterator[Served]:
@@ -210,11 +304,11 @@ class StoreGate:
     def _swap(self, old: Served | None) -> Served:
         if old is not None:
             try:
-                old.store.close()  # flushes every acknowledged write first
+                old.close()  # flushes every acknowledged write first
             except Exception as exc:  # still reopen: what the old store could not flush is lost either way
                 log.error("closing %s before the reload failed: %s", self.settings.store, exc)
         try:
-            return Served(self._opener(self.settings.store), self.settings)
+            return self._open_served()
         except Exception as exc:
             self._unavailable = (f"the store could not be reopened ({exc}); "
                                  "fix it and POST /v1/admin/reload")
@@ -251,4 +345,4 @@ class StoreGate:
             self._reopened.set()
             self._reopened = None
             if served is not None:
-                await offload_shielded(served.store.close)
+                await offload_shielded(served.close)

@@ -86,11 +86,3 @@ def test_help_of_every_verb() -> None:
         assert verb in top.stdout
         r = subprocess.run([sys.executable, "-m", "embstore.cli", verb, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and "usage: embstore " + verb in r.stdout
-
-
-def test_demo_runs_small(tmp_path) -> None:
-    from embstore.demo import run
-
-    out = run(tmp_path, rows=5000, batches=3, batch_size=256, quiet=True)
-    stats = out["stats"]["item_id"]
-    assert stats["ssd"]["hits"] > 0 and stats["dram"]["resident_rows"] > 0

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     warm = [zipf_ids(rng, n, rows, 1.05) for _ in range(args.batches)]
     timed = [zipf_ids(rng, n, rows, 1.05) for _ in range(args.batches)]
     out: dict = {"rows": rows, "dram_fraction": 0.1, "policy": args.policy, "home": args.home}
-    with tempfile.TemporaryDirectory(dir=".") as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         configs = {
             "all_dram": TableConfig("t", rows, args.dim, tiers=(TierConfig("dram", rows * row_bytes),
                                                                  TierConfig(args.home))),

@@ -1,0 +1,72 @@
+"""`embstore demo --quick`: trace + tune, train, serve + score, and the files it says it wrote."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import traces
+from embstore.cli import main
+from embstore.config import StoreConfig
+from embstore.demo import QUICK, _row_bytes, run
+from embstore.training.registry import list_models
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    return out, run(out, quick=True, quiet=True)
+
+
+def test_served_answers_equal_direct_reads_and_the_model_learned(demo):
+    _, s = demo
+    assert s["served"]["rows_equal"] and s["served"]["pooled_equal"] and s["served"]["scores_equal"]
+    assert s["train"]["auc"] > 0.65 and s["served"]["served_auc"] > 0.65  # chance is 0.5
+    assert s["train"]["ne"] < 1.0  # better than predicting the base rate
+    assert s["served"]["served_samples"] == QUICK.served_samples
+    assert all(0 < x < 1 for x in s["served"]["first_scores"])
+    assert s["steps"] == QUICK.steps
+
+
+def test_files_exist_and_hold_what_the_summary_says(demo):
+    out, s = demo
+    for key in ("store", "trace", "tuned_toml", "curves", "metrics", "summary", "model"):
+        assert (out / s[key].split(str(out) + "/", 1)[1]).exists(), key
+    assert json.loads((out / "summary.json").read_text())["train"] == s["train"]
+    metrics = json.loads(open(s["metrics"]).read())
+    assert metrics["evals"][-1]["auc"] == pytest.approx(s["train"]["auc"])
+    assert open(s["curves"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "probe_store").exists()  # the probe store is scratch
+
+    trace = traces.load(s["trace"])
+    assert list(trace.table_names) == ["user", "item", "site", "device"]
+    assert trace.num_batches == QUICK.trace_batches * 4 and trace.ids.size > 0
+
+    tuned = StoreConfig.from_toml(s["tuned_toml"])
+    dram = sum(t.capacity for tc in tuned.tables for t in tc.tiers if t.kind.value == "dram")
+    assert 0 < dram <= QUICK.dram_budget
+    assert {tc.tiers[-1].kind.value for tc in tuned.tables} == {"ssd"}
+
+    assert list_models(s["store"]) == ["dlrm"]
+    with embstore.open(s["store"]) as store:
+        user = store["user"].config
+        assert [t.kind.value for t in user.tiers] == ["dram", "ssd"]
+        assert user.num_embeddings * _row_bytes() >= 3 * QUICK.dram_budget  # far larger than the budget
+        assert user.tiers[0].capacity == s["tuned"]["user"]["dram_rows"] * _row_bytes()
+        rows = store["user"].lookup(np.arange(8, dtype=np.int64))
+        assert rows.shape == (8, 16) and np.isfinite(rows).all()
+
+
+def test_cli_runs_the_demo_and_refuses_a_used_folder(tmp_path, capsys):
+    assert main(["demo", "--quick", "--steps", "4", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    for words in ("1. recording", "2. training", "3. serving", "4. done", "every served answer matched",
+                  "curves", "tuned_toml"):
+        assert words in text
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["steps"] == 4 and s["quick"] is True
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 2
+    assert "already holds a demo run" in capsys.readouterr().err
