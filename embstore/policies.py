@@ -436,14 +436,14 @@ class DirectDirectory:
         self.capacity = int(num_rows)
         self.present = np.zeros(num_rows, np.bool_)
         self._resident = 0
-        self._stamp = np.zeros(0, np.uint32)
-        self._epoch = np.zeros(1, np.int64)
+        self._bits = np.zeros(0, np.uint64)
 
     def count_resident(self, keys: Ids) -> int:
         """Number of distinct ``keys`` if every one is resident, else -1 (no dedup array needed)."""
-        if len(self._stamp) != self.capacity:
-            self._stamp = np.zeros(self.capacity, np.uint32)
-        return int(_count_unique_present(keys, self.present, self._stamp, self._epoch))
+        if len(self._bits) == 0:
+            self._bits = np.zeros((self.capacity + 63) // 64, np.uint64)
+        full = self._resident == self.capacity
+        return int(_count_unique_present(keys, self.present, not full, self._bits))
 
     @property
     def resident(self) -> int:
@@ -475,20 +475,23 @@ class DirectDirectory:
 
 
 @numba.njit(cache=True, nogil=True)
-def _count_unique_present(keys, present, stamp, epoch):
-    epoch[0] += 1
-    if epoch[0] >= 2**32:
-        stamp[:] = 0
-        epoch[0] = 1
-    e = np.uint32(epoch[0])
+def _count_unique_present(keys, present, check_present, bits):
+    """Distinct keys if all are present, else -1. ``bits`` (one bit per row, all zero between calls) is
+    small enough to stay in cache, unlike a per-row stamp array; the words touched are zeroed after."""
     n = 0
+    stop = keys.shape[0]
     for i in range(keys.shape[0]):
         k = keys[i]
-        if not present[k]:
-            return -1
-        if stamp[k] != e:
-            stamp[k] = e
-            n += 1
+        if check_present and not present[k]:
+            n = -1
+            stop = i
+            break
+        w = k >> 6
+        bit = np.uint64(1) << np.uint64(k & 63)
+        n += (bits[w] & bit) == 0  # branch-free: repeated ids would mispredict
+        bits[w] |= bit
+    for i in range(stop):
+        bits[keys[i] >> 6] = 0
     return n
 
 
