@@ -66,3 +66,78 @@ def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step):
                 state[s, d] = m
                 state[s, dim + d] = v
                 rows[s, d] -= step * m / (np.sqrt(v) + np.float32(eps))
+
+
+@numba.njit(cache=True, nogil=True)
+def _occurrences(inv, n_uniq, offsets):
+    """CSR of each unique row's ids (ascending) and the bag of every id."""
+    n = inv.shape[0]
+    start = np.zeros(n_uniq + 1, np.int64)
+    for j in range(n):
+        start[inv[j] + 1] += 1
+    for u in range(n_uniq):
+        start[u + 1] += start[u]
+    fill = start[:-1].copy()
+    order = np.empty(n, np.int64)
+    for j in range(n):
+        u = inv[j]
+        order[fill[u]] = j
+        fill[u] += 1
+    bag = np.empty(n, np.int64)
+    for b in range(offsets.shape[0] - 1):
+        for j in range(offsets[b], offsets[b + 1]):
+            bag[j] = b
+    return start, order, bag
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, eps, b1, b2, wd, global_step):
+    """Bag gradients -> each unique row's gradient -> optimizer, row by row in parallel, in place.
+
+    The same arithmetic, in the same order, as ``row_grads`` then ``step_rows``,
+    without materialising the (unique rows, dim) gradient: each row sums its
+    ids' bag gradients into a per-thread scratch row as it is updated.
+    """
+    dim = grad_out.shape[1]
+    n_uniq = slots.shape[0]
+    start, order, bag = _occurrences(inv, n_uniq, offsets)
+    scratch = np.zeros((numba.get_num_threads(), dim), np.float32)
+    w = np.float32(wd)
+    for u in numba.prange(n_uniq):
+        gi = scratch[numba.get_thread_id()]
+        for d in range(dim):
+            gi[d] = 0.0
+        for k in range(start[u], start[u + 1]):
+            b = bag[order[k]]
+            scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b]) if mean else np.float32(1.0)
+            for d in range(dim):
+                gi[d] += grad_out[b, d] * scale
+        s = slots[u]
+        if w != 0.0:
+            for d in range(dim):
+                gi[d] += w * rows[s, d]
+        if kind == 0:
+            for d in range(dim):
+                rows[s, d] -= np.float32(lr) * gi[d]
+        elif kind == 1:
+            acc = np.float32(0.0)
+            for d in range(dim):
+                acc += gi[d] * gi[d]
+            state[s, 0] += acc / np.float32(dim)
+            mult = np.float32(lr) / (np.sqrt(state[s, 0]) + np.float32(eps))
+            for d in range(dim):
+                rows[s, d] -= mult * gi[d]
+        elif kind == 2:
+            for d in range(dim):
+                state[s, d] += gi[d] * gi[d]
+                rows[s, d] -= np.float32(lr) * gi[d] / (np.sqrt(state[s, d]) + np.float32(eps))
+        else:
+            state[s, 2 * dim] += np.float32(1.0)
+            t = np.float64(state[s, 2 * dim]) if global_step <= 0 else np.float64(global_step)
+            step = np.float32(lr * np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
+            for d in range(dim):
+                m = state[s, d] * np.float32(b1) + np.float32(1.0 - b1) * gi[d]
+                v = state[s, dim + d] * np.float32(b2) + np.float32(1.0 - b2) * gi[d] * gi[d]
+                state[s, d] = m
+                state[s, dim + d] = v
+                rows[s, d] -= step * m / (np.sqrt(v) + np.float32(eps))

@@ -37,7 +37,7 @@ from torch import nn
 from embstore.errors import IdOutOfRangeError, InvalidInputError
 from embstore.kernels import unique_inverse
 from embstore.kernels import pool_rows
-from embstore.training._kernels import row_grads, step_rows
+from embstore.training._kernels import fused_bag_step, row_grads, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import DEFAULT_EPS, OptimConfig, apply_update, check_optimizer, state_dim
 from embstore.training.working_set import ResidentWorkingSet, make_working_set
@@ -122,8 +122,7 @@ class _ResidentBag(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, ...]:
-        g = row_grads(grad_out.to(torch.float32).contiguous().numpy(), ctx.inv, ctx.offsets, ctx.mean, ctx.n)
-        ctx.step(torch.from_numpy(g))
+        ctx.step(grad_out)  # a bag-gradient stepper: row gradients are summed inside the fused kernel
         return (None,) * 9
 
 
@@ -195,7 +194,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 ws = self.ws[t]
                 rows = batch.uniq[t][batch.inv[t]]
                 anchor = torch.empty(0, requires_grad=grad_on)
-                step = self._stepper(batch, t) if grad_on else None
+                step = self._stepper(batch, t, bag_grad=True) if grad_on else None
                 outs.append(_ResidentBag.apply(anchor, ws.flat, ws.dim, rows, batch.inv[t], len(batch.uniq[t]),
                                                batch.offsets[t], self.pooling, step))
                 continue
@@ -389,7 +388,9 @@ class TieredEmbeddingBagCollection(nn.Module):
                 return ws.rows[torch.from_numpy(batch.slots[t]).to(ws.device)]
         return gather
 
-    def _stepper(self, batch: _Batch, t: int) -> Callable[[torch.Tensor], None]:
+    def _stepper(self, batch: _Batch, t: int, bag_grad: bool = False) -> Callable[[torch.Tensor], None]:
+        """The optimizer step of table ``t``: given unique-row gradients, or (``bag_grad``, resident
+        tables) the bag gradients, which the fused kernel turns into row gradients as it updates."""
         ws = self.ws[t]
 
         def step(grad: torch.Tensor) -> None:
@@ -404,8 +405,13 @@ class TieredEmbeddingBagCollection(nn.Module):
                     o = self.optim
                     gstep = self.steps + 1 if o.adam_step == "global" else 0
                     rows = ws.flat if isinstance(ws, ResidentWorkingSet) else ws.rows.numpy()
-                    step_rows(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], grad.numpy(),
-                              o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep)
+                    if bag_grad:
+                        fused_bag_step(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], batch.inv[t],
+                                       batch.offsets[t], grad.numpy(), self.pooling == "mean", o.lr, o.eps,
+                                       o.beta1, o.beta2, o.weight_decay, gstep)
+                    else:
+                        step_rows(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], grad.numpy(),
+                                  o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep)
                 else:
                     idx = torch.from_numpy(batch.slots[t]).to(ws.device)
                     w = ws.rows[idx]
