@@ -35,37 +35,15 @@ def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step):
     after the embedding); only its first ``g.shape[1]`` columns are updated.
     """
     dim = g.shape[1]
-    w = np.float32(wd)
-    for i in numba.prange(slots.shape[0]):  # no allocation per row: the gradient is read in place
-        s = slots[i]
-        if kind == 0:
+    parts = numba.get_num_threads()
+    scratch = np.zeros((parts, dim), np.float32)
+    chunk = (slots.shape[0] + parts - 1) // parts
+    for p in numba.prange(parts):  # static partition: one scratch row per part
+        gi = scratch[p]
+        for i in range(p * chunk, min(slots.shape[0], (p + 1) * chunk)):
             for d in range(dim):
-                rows[s, d] -= np.float32(lr) * (g[i, d] + w * rows[s, d])
-        elif kind == 1:
-            acc = np.float32(0.0)
-            for d in range(dim):
-                gd = g[i, d] + w * rows[s, d]
-                acc += gd * gd
-            state[s, 0] += acc / np.float32(dim)
-            mult = np.float32(lr) / (np.sqrt(state[s, 0]) + np.float32(eps))
-            for d in range(dim):
-                rows[s, d] -= mult * (g[i, d] + w * rows[s, d])
-        elif kind == 2:
-            for d in range(dim):
-                gd = g[i, d] + w * rows[s, d]
-                state[s, d] += gd * gd
-                rows[s, d] -= np.float32(lr) * gd / (np.sqrt(state[s, d]) + np.float32(eps))
-        else:
-            state[s, 2 * dim] += np.float32(1.0)
-            t = np.float64(state[s, 2 * dim]) if global_step <= 0 else np.float64(global_step)
-            step = np.float32(lr * np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
-            for d in range(dim):
-                gd = g[i, d] + w * rows[s, d]
-                m = state[s, d] * np.float32(b1) + np.float32(1.0 - b1) * gd
-                v = state[s, dim + d] * np.float32(b2) + np.float32(1.0 - b2) * gd * gd
-                state[s, d] = m
-                state[s, dim + d] = v
-                rows[s, d] -= step * m / (np.sqrt(v) + np.float32(eps))
+                gi[d] = g[i, d]
+            _apply_row(kind, rows, state, slots[i], gi, lr, eps, b1, b2, np.float32(wd), global_step)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -101,43 +79,60 @@ def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, e
     dim = grad_out.shape[1]
     n_uniq = slots.shape[0]
     start, order, bag = _occurrences(inv, n_uniq, offsets)
-    scratch = np.zeros((numba.get_num_threads(), dim), np.float32)
+    parts = numba.get_num_threads()
+    scratch = np.zeros((parts, dim), np.float32)
     w = np.float32(wd)
-    for u in numba.prange(n_uniq):
-        gi = scratch[numba.get_thread_id()]
+    chunk = (n_uniq + parts - 1) // parts
+    for p in numba.prange(parts):  # static partition: one scratch row per part, no thread ids needed
+        gi = scratch[p]
+        for u in range(p * chunk, min(n_uniq, (p + 1) * chunk)):
+            _fused_row(kind, rows, state, slots[u], start[u], start[u + 1], order, bag, offsets, grad_out, mean,
+                       lr, eps, b1, b2, w, global_step, gi)
+
+
+@numba.njit(cache=True, inline="always")
+def _fused_row(kind, rows, state, s, lo, hi, order, bag, offsets, grad_out, mean, lr, eps, b1, b2, w, global_step,
+               gi):
+    dim = grad_out.shape[1]
+    for d in range(dim):
+        gi[d] = 0.0
+    for k in range(lo, hi):
+        b = bag[order[k]]
+        scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b]) if mean else np.float32(1.0)
         for d in range(dim):
-            gi[d] = 0.0
-        for k in range(start[u], start[u + 1]):
-            b = bag[order[k]]
-            scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b]) if mean else np.float32(1.0)
-            for d in range(dim):
-                gi[d] += grad_out[b, d] * scale
-        s = slots[u]
-        if w != 0.0:
-            for d in range(dim):
-                gi[d] += w * rows[s, d]
-        if kind == 0:
-            for d in range(dim):
-                rows[s, d] -= np.float32(lr) * gi[d]
-        elif kind == 1:
-            acc = np.float32(0.0)
-            for d in range(dim):
-                acc += gi[d] * gi[d]
-            state[s, 0] += acc / np.float32(dim)
-            mult = np.float32(lr) / (np.sqrt(state[s, 0]) + np.float32(eps))
-            for d in range(dim):
-                rows[s, d] -= mult * gi[d]
-        elif kind == 2:
-            for d in range(dim):
-                state[s, d] += gi[d] * gi[d]
-                rows[s, d] -= np.float32(lr) * gi[d] / (np.sqrt(state[s, d]) + np.float32(eps))
-        else:
-            state[s, 2 * dim] += np.float32(1.0)
-            t = np.float64(state[s, 2 * dim]) if global_step <= 0 else np.float64(global_step)
-            step = np.float32(lr * np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
-            for d in range(dim):
-                m = state[s, d] * np.float32(b1) + np.float32(1.0 - b1) * gi[d]
-                v = state[s, dim + d] * np.float32(b2) + np.float32(1.0 - b2) * gi[d] * gi[d]
-                state[s, d] = m
-                state[s, dim + d] = v
-                rows[s, d] -= step * m / (np.sqrt(v) + np.float32(eps))
+            gi[d] += grad_out[b, d] * scale
+    _apply_row(kind, rows, state, s, gi, lr, eps, b1, b2, w, global_step)
+
+
+@numba.njit(cache=True, inline="always")
+def _apply_row(kind, rows, state, s, gi, lr, eps, b1, b2, w, global_step):
+    """One row's update from its gradient ``gi`` (a scratch row, overwritten with weight decay added)."""
+    dim = gi.shape[0]
+    if w != 0.0:
+        for d in range(dim):
+            gi[d] += w * rows[s, d]
+    if kind == 0:
+        for d in range(dim):
+            rows[s, d] -= np.float32(lr) * gi[d]
+    elif kind == 1:
+        acc = np.float32(0.0)
+        for d in range(dim):
+            acc += gi[d] * gi[d]
+        state[s, 0] += acc / np.float32(dim)
+        mult = np.float32(lr) / (np.sqrt(state[s, 0]) + np.float32(eps))
+        for d in range(dim):
+            rows[s, d] -= mult * gi[d]
+    elif kind == 2:
+        for d in range(dim):
+            state[s, d] += gi[d] * gi[d]
+            rows[s, d] -= np.float32(lr) * gi[d] / (np.sqrt(state[s, d]) + np.float32(eps))
+    else:
+        state[s, 2 * dim] += np.float32(1.0)
+        t = np.float64(state[s, 2 * dim]) if global_step <= 0 else np.float64(global_step)
+        step = np.float32(lr * np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
+        for d in range(dim):
+            m = state[s, d] * np.float32(b1) + np.float32(1.0 - b1) * gi[d]
+            v = state[s, dim + d] * np.float32(b2) + np.float32(1.0 - b2) * gi[d] * gi[d]
+            state[s, d] = m
+            state[s, dim + d] = v
+            rows[s, d] -= step * m / (np.sqrt(v) + np.float32(eps))
