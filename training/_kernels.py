@@ -28,14 +28,15 @@ def row_grads(grad_out, inv, offsets, mean, n_uniq):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step):
+def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, parts):
     """Apply optimizer ``kind`` (0 sgd, 1 rowwise_adagrad, 2 adagrad, 3 adam) to rows[slots] in place.
 
     ``rows`` may be wider than the gradient (a contiguous slab with the state
     after the embedding); only its first ``g.shape[1]`` columns are updated.
+    ``parts``: how many slices run in parallel (``numba.get_num_threads()``;
+    passed in because calling it inside a kernel defeats numba's cache).
     """
     dim = g.shape[1]
-    parts = numba.get_num_threads()
     scratch = np.zeros((parts, dim), np.float32)
     chunk = (slots.shape[0] + parts - 1) // parts
     for p in numba.prange(parts):  # static partition: one scratch row per part
@@ -69,7 +70,8 @@ def _occurrences(inv, n_uniq, offsets):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, eps, b1, b2, wd, global_step):
+def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, eps, b1, b2, wd, global_step,
+                   parts):
     """Bag gradients -> each unique row's gradient -> optimizer, row by row in parallel, in place.
 
     The same arithmetic, in the same order, as ``row_grads`` then ``step_rows``,
@@ -79,7 +81,6 @@ def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, e
     dim = grad_out.shape[1]
     n_uniq = slots.shape[0]
     start, order, bag = _occurrences(inv, n_uniq, offsets)
-    parts = numba.get_num_threads()
     scratch = np.zeros((parts, dim), np.float32)
     w = np.float32(wd)
     chunk = (n_uniq + parts - 1) // parts

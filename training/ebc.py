@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -408,10 +409,10 @@ class TieredEmbeddingBagCollection(nn.Module):
                     if bag_grad:
                         fused_bag_step(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], batch.inv[t],
                                        batch.offsets[t], grad.numpy(), self.pooling == "mean", o.lr, o.eps,
-                                       o.beta1, o.beta2, o.weight_decay, gstep)
+                                       o.beta1, o.beta2, o.weight_decay, gstep, numba.get_num_threads())
                     else:
                         step_rows(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], grad.numpy(),
-                                  o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep)
+                                  o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep, numba.get_num_threads())
                 else:
                     idx = torch.from_numpy(batch.slots[t]).to(ws.device)
                     w = ws.rows[idx]
