@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from embstore.arrays import Ids, RowBytes
-from embstore.tiers.base import Tier, TierStats
+from embstore.tiers.base import Tier, TierStats, close_all
 from embstore.tiers.cache import CacheTier
 
 
@@ -116,11 +116,4 @@ class Hierarchy:
 
     def close(self) -> None:
         """Release every tier, even when one fails to close (the first error is raised)."""
-        first: Exception | None = None
-        for t in self.tiers:
-            try:
-                t.close()
-            except Exception as exc:  # noqa: BLE001 - re-raised below
-                first = first or exc
-        if first is not None:
-            raise first
+        close_all(self.tiers)

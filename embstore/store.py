@@ -29,6 +29,7 @@ from embstore.errors import (ConfigError, CorruptStoreError, StoreClosedError, S
 from embstore.hierarchy import Hierarchy
 from embstore.rows import RowFormat
 from embstore.table import Table
+from embstore.tiers.base import close_all
 from embstore.tiers.factory import build_tiers
 
 log = logging.getLogger("embstore.store")
@@ -166,14 +167,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        first: Exception | None = None
-        for t in self.tables.values():  # close every table even when one fails
-            try:
-                t.close()
-            except Exception as exc:  # noqa: BLE001 - re-raised below
-                first = first or exc
-        if first is not None:
-            raise first
+        close_all(list(self.tables.values()))  # every table, even when one fails
 
     def _check_open(self) -> None:
         if self._closed:

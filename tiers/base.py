@@ -54,6 +54,18 @@ class Counters:
                          self.bytes_written, resident, capacity)
 
 
+def close_all(items: "list") -> None:
+    """Close every item even when some fail; the first failure is raised at the end."""
+    first: Exception | None = None
+    for item in items:
+        try:
+            item.close()
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 class Tier(abc.ABC):
     """One storage level of a table."""
 

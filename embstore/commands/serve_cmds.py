@@ -6,28 +6,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from embstore.commands.argtypes import nonneg_seconds, positive_int
 from embstore.errors import StoreNotFoundError
 from embstore.store import MANIFEST_FILE
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,15 +24,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", default=None,
                    help="file holding a bearer token; when given, writes and reloads need "
                         "'Authorization: Bearer TOKEN'")
-    p.add_argument("--max-ids", type=_positive, default=1_000_000,
+    p.add_argument("--max-ids", type=positive_int, default=1_000_000,
                    help="ids per request; more is answered 413 (default 1000000)")
-    p.add_argument("--max-body-bytes", type=_positive, default=64 << 20,
+    p.add_argument("--max-body-bytes", type=positive_int, default=64 << 20,
                    help="request body bytes; more is answered 413 (default 64 MiB)")
-    p.add_argument("--request-timeout", type=_seconds, default=30.0,
+    p.add_argument("--request-timeout", type=nonneg_seconds, default=30.0,
                    help="seconds before a request is answered 504; 0 = no limit (default 30)")
-    p.add_argument("--flush-interval", type=_seconds, default=1.0,
+    p.add_argument("--flush-interval", type=nonneg_seconds, default=1.0,
                    help="seconds between flushes of written rows; 0 = only on shutdown and reload (default 1)")
-    p.add_argument("--batch-wait-ms", type=_seconds, default=0.0,
+    p.add_argument("--batch-wait-ms", type=nonneg_seconds, default=0.0,
                    help="milliseconds an idle table waits for more lookups to read together; 0 = coalesce only "
                         "what queues up while a read runs (default 0, at most 100)")
     p.add_argument("--no-batching", action="store_true", help="read every lookup request on its own")

@@ -11,10 +11,10 @@ Figures (each a ratio measured in this run):
 
 from __future__ import annotations
 
+import os
 import argparse
 import sys
 import tempfile
-import time
 
 import numpy as np
 import torch
@@ -22,25 +22,8 @@ import torch
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 
-
-def zipf_ids(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
-    """Zipf(alpha) ranks over ``rows`` ids, popularity scattered by a fixed permutation."""
-    ranks = np.arange(1, rows + 1, dtype=np.float64)
-    cdf = np.cumsum(ranks ** -alpha)
-    cdf /= cdf[-1]
-    perm = np.random.default_rng(7).permutation(rows)
-    return perm[np.minimum(np.searchsorted(cdf, rng.random(n)), rows - 1)].astype(np.int64)
-
-
-def best_rate(fn, items: int, repeats: int) -> float:
-    """Items per second of the fastest of ``repeats`` runs (after one warm-up)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return items / best
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import best_rate, zipf_ids  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -46,6 +46,10 @@ from pathlib import Path
 import numpy as np
 from fastapi import FastAPI, Request, Response  # module level: the bare app's annotations resolve here
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import zipf_ids  # noqa: E402
+
+
 BINARY = "application/octet-stream"
 IDS_PER_REQUEST = 64
 
@@ -115,12 +119,6 @@ class Server:
 
 
 # --- load --------------------------------------------------------------------------------------------
-def zipf_ids(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
-    """Zipf(alpha) ranks over ``rows`` ids, popularity scattered by a fixed permutation."""
-    cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -alpha)
-    cdf /= cdf[-1]
-    perm = np.random.default_rng(7).permutation(rows)
-    return perm[np.minimum(np.searchsorted(cdf, rng.random(n)), rows - 1)].astype(np.int64)
 
 
 def _pct(lat: list[float], q: float) -> float:

@@ -23,7 +23,8 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import Server, _make_ssd_store, zipf_ids  # noqa: E402
+from _common import zipf_ids  # noqa: E402
+from bench_server import Server, _make_ssd_store  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:

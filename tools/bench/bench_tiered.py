@@ -21,7 +21,7 @@ import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_dram import zipf_ids  # noqa: E402
+from _common import zipf_ids  # noqa: E402
 
 
 def run(table, batches: list[np.ndarray], offsets: np.ndarray) -> float:

@@ -14,6 +14,7 @@ the batch's forward started) with and without look-ahead.
 
 from __future__ import annotations
 
+import os
 import argparse
 import sys
 import tempfile
@@ -26,13 +27,8 @@ import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.training import TieredEmbeddingBagCollection, state_dim
 
-
-def zipf_ids(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
-    ranks = np.arange(1, rows + 1, dtype=np.float64)
-    cdf = np.cumsum(ranks ** -alpha)
-    cdf /= cdf[-1]
-    perm = np.random.default_rng(7).permutation(rows)
-    return perm[np.minimum(np.searchsorted(cdf, rng.random(n)), rows - 1)].astype(np.int64)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import zipf_ids  # noqa: E402
 
 
 def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, batches, weights, k: int | None) -> dict:

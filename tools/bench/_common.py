@@ -1,0 +1,28 @@
+"""Shared pieces of the benchmark scripts: skewed ids and best-of-N timing."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+
+def zipf_ids(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
+    """Zipf(alpha) ranks over ``rows`` ids, popularity scattered by a fixed permutation."""
+    ranks = np.arange(1, rows + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** -alpha)
+    cdf /= cdf[-1]
+    perm = np.random.default_rng(7).permutation(rows)
+    return perm[np.minimum(np.searchsorted(cdf, rng.random(n)), rows - 1)].astype(np.int64)
+
+
+def best_rate(fn: Callable[[], object], items: int, repeats: int) -> float:
+    """Items per second of the fastest of ``repeats`` runs (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return items / best
