@@ -74,7 +74,8 @@ def as_rows(rows: Any, n: int, dim: int) -> tuple[Rows, bool]:
         raise InvalidRowsError(f"rows must have shape ({n}, {dim}), got {tuple(arr.shape)}")
     if arr.dtype.kind != "f":
         raise InvalidRowsError(f"rows must be floating point (float32), got {arr.dtype}")
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):  # a value beyond float32 becomes inf and is refused just below
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
     if arr.size and not np.isfinite(arr).all():
         bad = int(np.argwhere(~np.isfinite(arr))[0][0])
         raise InvalidRowsError(f"rows must be finite; row {bad} holds NaN or inf")
