@@ -94,8 +94,10 @@ class LookupClient:
                  transport: httpx.BaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         self.binary = binary
+        # drop idle connections before the server does (`embstore serve` keeps them 30 s): reusing one the
+        # server is closing at that instant fails with a connection reset instead of an answer
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout,
-                                  transport=transport)
+                                  transport=transport, limits=httpx.Limits(keepalive_expiry=20.0))
 
     # --- plumbing --------------------------------------------------------------------
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:

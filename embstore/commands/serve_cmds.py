@@ -11,6 +11,9 @@ from embstore.errors import StoreNotFoundError
 from embstore.store import MANIFEST_FILE
 
 
+KEEP_ALIVE_S = 30  # idle keep-alive connections live this long; clients should drop theirs sooner
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve a store over HTTP (lookups, pooled lookups, updates, metrics)",
@@ -57,5 +60,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               pooled_cache_bytes=args.pooled_cache_bytes, freeze_gc=True)
     level = logging.getLogger().getEffectiveLevel()
     uvicorn.run(create_app(settings), host=args.host, port=args.port, access_log=args.access_log,
-                log_level="info" if level <= logging.INFO else "warning")
+                log_level="info" if level <= logging.INFO else "warning",
+                timeout_keep_alive=KEEP_ALIVE_S)
     return 0

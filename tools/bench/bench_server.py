@@ -67,7 +67,7 @@ def _serve(argv: list[str]) -> None:
         wait = {"batch_wait": float(argv[3])} if len(argv) > 3 else {}
         app = create_app(ServerSettings(store=Path(source), batching=kind != "nobatch", freeze_gc=True,
                                         **wait))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, timeout_keep_alive=30)
 
 
 def _bare_app(weights: np.ndarray):

@@ -38,16 +38,20 @@ async def drive(url: str, rows: int, dim: int, seconds: float, rate: float, warm
     rng = np.random.default_rng(0)
     pool = zipf_ids(rng, 64 * 4096, rows, 1.05).reshape(4096, 64)  # drawn once: the loop must keep the rate
     updates = rng.standard_normal((64, 4, dim)).round(4).tolist()
-    errors: dict[int, int] = {}
+    errors: dict[int | str, int] = {}
     counts = {"lookup": 0, "pooled": 0, "write": 0}
     samples: list[tuple[float, int]] = []
-    limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+    limits = httpx.Limits(max_connections=32, max_keepalive_connections=32, keepalive_expiry=20.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
         slots = asyncio.Semaphore(32)  # bounded in flight: a slow server slows the load, never piles it up
 
         async def one(i: int) -> None:
             async with slots:
-                await send(i)
+                try:
+                    await send(i)
+                except httpx.TransportError as exc:  # counted as errors, like any non-2xx answer
+                    key = type(exc).__name__
+                    errors[key] = errors.get(key, 0) + 1
 
         async def send(i: int) -> None:
             kind = "write" if i % 50 == 0 else ("pooled" if i % 5 == 0 else "lookup")
