@@ -82,9 +82,9 @@ def pool_rows(rows, index, offsets, mean, out):
             for d in range(dim):
                 acc[d] += rows[r, d]
         if mean and hi > lo:
-            inv = np.float32(1.0) / np.float32(hi - lo)
+            n = np.float32(hi - lo)
             for d in range(dim):
-                acc[d] *= inv
+                acc[d] /= n  # divide, as torch's embedding_bag does, for bit-equal means
 
 
 def pool(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:

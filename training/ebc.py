@@ -110,8 +110,9 @@ class _FusedBag(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
-class _ResidentBag(torch.autograd.Function):
-    """Pool straight out of a table's DRAM slab (no gather of the batch's rows); backward steps in place."""
+class _SlabBag(torch.autograd.Function):
+    """Pool straight out of the rows' memory (a DRAM slab or a working set; no gather of the batch's rows);
+    backward hands the bag gradients to a fused step that updates the rows in place."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, slab: np.ndarray, dim: int, rows: np.ndarray, inv: np.ndarray,
@@ -191,12 +192,14 @@ class TieredEmbeddingBagCollection(nn.Module):
         for t, table in enumerate(self.tables):
             gather = self._gatherer(batch, t)
             qr = table.mapper is not None and table.mapper.rows_per_id != 1
-            if isinstance(self.ws[t], ResidentWorkingSet) and not qr:
-                ws = self.ws[t]
-                rows = batch.uniq[t][batch.inv[t]]
+            ws = self.ws[t]
+            if ws.device.type == "cpu" and not qr:  # pool straight out of the rows' memory; fused step
+                rows = batch.slots[t][batch.inv[t]]
                 anchor = torch.empty(0, requires_grad=grad_on)
                 step = self._stepper(batch, t, bag_grad=True) if grad_on else None
-                outs.append(_ResidentBag.apply(anchor, ws.flat, ws.dim, rows, batch.inv[t], len(batch.uniq[t]),
+                with self._lock:  # a prefetch may grow the working set meanwhile
+                    slab = ws.flat if isinstance(ws, ResidentWorkingSet) else ws.rows.numpy()
+                    outs.append(_SlabBag.apply(anchor, slab, ws.dim, rows, batch.inv[t], len(batch.uniq[t]),
                                                batch.offsets[t], self.pooling, step))
                 continue
             if grad_on and not qr:
