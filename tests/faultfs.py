@@ -1,4 +1,4 @@
-"""Real fault injection for tier tests: a tiny tmpfs (ENOSPC) and an ext4 on a shrinking loop device (EIO).
+"""Real faults for tier tests: a tiny tmpfs (ENOSPC), an ext4 on a shrinking loop device (EIO), SIGKILL.
 
 Both need root and ``mount``; where that is impossible the tests that use
 them are skipped with the reason (``needs_mount``), never passed silently.
@@ -7,9 +7,13 @@ them are skipped with the reason (``needs_mount``), never passed silently.
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +146,28 @@ def failing_ext4_fixture(tmp_path: Path):
         pytest.skip(f"real EIO injection impossible: loop-mounted ext4 failed: {exc}")
     yield fs
     fs.destroy()
+
+
+def kill_at_random_point(args: list[str], rnd: random.Random, first_round: int, last_round: int,
+                         max_delay: float) -> tuple[int, int]:
+    """Run a writer (``python -c *args`` printing "start N" / "flushed N"), SIGKILL it up to ``max_delay``
+    seconds into a random round in [first_round, last_round]; returns (last flushed, last started)."""
+    child = subprocess.Popen([sys.executable, "-c", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    target, lines = f"start {rnd.randint(first_round, last_round)}", []
+    try:
+        for line in child.stdout:
+            lines.append(line)
+            if line.strip() == target:
+                break
+        time.sleep(rnd.uniform(0, max_delay))
+    finally:
+        child.send_signal(signal.SIGKILL)
+        out, err = child.stdout.read(), child.stderr.read()  # not communicate(): it would skip
+        child.wait()                                         # lines already buffered in stdout
+    assert child.returncode == -signal.SIGKILL, err
+    events = [line.split() for line in lines + out.splitlines()]
+    flushed = [int(r) for what, r in events if what == "flushed"]
+    started = [int(r) for what, r in events if what == "start"]
+    assert started == list(range(len(started))), "the writer failed before the kill: " + err
+    return (flushed[-1] if flushed else -1), (started[-1] if started else -1)

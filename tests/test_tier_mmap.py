@@ -14,13 +14,11 @@ import errno
 import os
 import random
 import shutil
-import signal
 import struct
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -333,7 +331,7 @@ def test_journal_record_with_bad_ids_is_corrupt(tmp_path: Path) -> None:
 # -- real faults -----------------------------------------------------------------------------------
 
 
-from faultfs import FailingExt4 as _FailingExt4, Tmpfs as _Tmpfs, _run, needs_mount  # noqa: E402
+from faultfs import FailingExt4 as _FailingExt4, Tmpfs as _Tmpfs, kill_at_random_point, _run, needs_mount  # noqa: E402
 
 
 @needs_mount
@@ -518,26 +516,7 @@ schedule = _sched_ns["schedule"]
 
 
 def _kill_at_random_point(args: list[str], rnd: random.Random) -> tuple[int, int]:
-    """Run the writer, SIGKILL it a random moment into a random round; (last flushed, last started)."""
-    child = subprocess.Popen([sys.executable, "-c", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    target, lines = f"start {rnd.randint(10, 30)}", []  # past the first flush (round 7)
-    try:
-        for line in child.stdout:
-            lines.append(line)
-            if line.strip() == target:
-                break
-        time.sleep(rnd.uniform(0, 0.003))  # into the put of this round (journal, then scatter)
-    finally:
-        child.send_signal(signal.SIGKILL)
-        out, err = child.stdout.read(), child.stderr.read()  # not communicate(): it would skip
-        child.wait()                                         # lines already buffered in stdout
-    assert child.returncode == -signal.SIGKILL, err
-    events = [line.split() for line in lines + out.splitlines()]
-    flushed = [int(r) for what, r in events if what == "flushed"]
-    started = [int(r) for what, r in events if what == "start"]
-    assert started == list(range(len(started))), "the writer failed before the kill: " + err
-    return (flushed[-1] if flushed else -1), (started[-1] if started else -1)
+    return kill_at_random_point(args, rnd, 10, 30, 0.003)
 
 
 @pytest.mark.parametrize("trial", range(3))

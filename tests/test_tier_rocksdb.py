@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import errno
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -293,7 +289,7 @@ def test_backend_errors_are_translated(tmp_path: Path, message: str, kind: type,
 # -- real faults ---------------------------------------------------------------------------------
 
 
-from faultfs import FailingExt4 as _FailingExt4, Tmpfs as _Tmpfs, needs_mount  # noqa: E402
+from faultfs import FailingExt4 as _FailingExt4, Tmpfs as _Tmpfs, kill_at_random_point, needs_mount  # noqa: E402
 
 
 def _fill_until_error(tier: RocksDBTier, model: dict[int, bytes], batch: int, limit: int,
@@ -395,26 +391,7 @@ schedule = _sched_ns["schedule"]
 
 
 def _kill_at_random_point(args: list[str], rnd: random.Random) -> tuple[int, int]:
-    """Run the writer, SIGKILL it a random moment into a random round; (last flushed, last started)."""
-    child = subprocess.Popen([sys.executable, "-c", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    target, lines = f"start {rnd.randint(0, 12)}", []
-    try:
-        for line in child.stdout:
-            lines.append(line)
-            if line.strip() == target:
-                break
-        time.sleep(rnd.uniform(0, 0.002))
-    finally:
-        child.send_signal(signal.SIGKILL)
-        out, err = child.stdout.read(), child.stderr.read()  # not communicate(): it would skip
-        child.wait()                                         # lines already buffered in stdout
-    assert child.returncode == -signal.SIGKILL, err
-    events = [line.split() for line in lines + out.splitlines()]
-    flushed = [int(r) for what, r in events if what == "flushed"]
-    started = [int(r) for what, r in events if what == "start"]
-    assert started == list(range(len(started))), "the writer failed before the kill: " + err
-    return (flushed[-1] if flushed else -1), (started[-1] if started else -1)
+    return kill_at_random_point(args, rnd, 0, 12, 0.002)
 
 
 @pytest.mark.parametrize("trial", range(3))
