@@ -62,14 +62,16 @@ class Hierarchy:
         miss = ~hit
         fetched = self._read(level + 1, ids[miss])
         rows[miss] = fetched
-        land = r.slots[miss] >= 0
-        land_slots = r.slots[miss][land]
+        miss_slots = r.slots[miss]
+        land = miss_slots >= 0  # -1: refused by admission or pushed out again within this batch
+        land_slots = miss_slots[land]
         tier.write_slots(land_slots, fetched[land])
         tier.dirty[land_slots] = False
+        n_hit = int(hit.sum())
         c = tier.counters
-        c.hits += int(hit.sum())
-        c.misses += int(miss.sum())
-        c.bytes_read += int(hit.sum()) * tier.row_bytes
+        c.hits += n_hit
+        c.misses += len(ids) - n_hit
+        c.bytes_read += n_hit * tier.row_bytes
         c.bytes_written += len(land_slots) * tier.row_bytes
         return rows
 

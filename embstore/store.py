@@ -27,7 +27,7 @@ from embstore.config import HashKind, StoreConfig, TableConfig
 from embstore.errors import (ConfigError, CorruptStoreError, StoreClosedError, StoreExistsError,
                              StoreNotFoundError, TableExistsError, UnknownTableError)
 from embstore.hierarchy import Hierarchy
-from embstore.rows import RowFormat
+from embstore.rows import RowFormat, initial_rows
 from embstore.table import Table
 from embstore.tiers.base import close_all
 from embstore.tiers.factory import build_tiers
@@ -184,8 +184,7 @@ class Store:
 
 
 def _initial(cfg: TableConfig, fmt: RowFormat, ids: Any) -> Any:
-    from embstore.rows import initial_rows
-
+    """Encoded rows a never-written id reads as (the hierarchy's fallback below the home)."""
     return fmt.encode(initial_rows(cfg.init, ids, fmt.dim))
 
 

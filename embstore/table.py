@@ -21,7 +21,7 @@ from embstore.hierarchy import Hierarchy
 from embstore.kernels import pool, unique_inverse, unique_last
 from embstore.policies import DirectDirectory
 from embstore.tiers.cache import DRAMTier, MmapCacheTier
-from embstore.rows import RowFormat, initial_rows
+from embstore.rows import RowFormat
 
 POOL_MODES = ("sum", "mean")
 
@@ -62,9 +62,6 @@ class Table:
                 raise IdOutOfRangeError(f"table {self.name!r}: id {bad} outside [0, {self.config.num_embeddings}); "
                                         "give the table a hash (hash = { kind = 'mod' }) to accept any id")
         return ids
-
-    def _initial(self, rows: Ids) -> np.ndarray:
-        return self.format.encode(initial_rows(self.config.init, rows, self.format.dim))
 
     def _check_open(self) -> None:
         if self._closed:

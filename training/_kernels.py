@@ -10,23 +10,6 @@ import numba
 import numpy as np
 
 
-@numba.njit(cache=True, nogil=True)
-def row_grads(grad_out, inv, offsets, mean, n_uniq):
-    """g[u] = sum over ids j with inv[j] == u of grad_out[bag(j)] (/ bag length for mean)."""
-    dim = grad_out.shape[1]
-    g = np.zeros((n_uniq, dim), np.float32)
-    for b in range(offsets.shape[0] - 1):
-        lo, hi = offsets[b], offsets[b + 1]
-        if hi == lo:
-            continue
-        scale = np.float32(1.0) / np.float32(hi - lo) if mean else np.float32(1.0)
-        for j in range(lo, hi):
-            u = inv[j]
-            for d in range(dim):
-                g[u, d] += grad_out[b, d] * scale
-    return g
-
-
 @numba.njit(cache=True, nogil=True, parallel=True)
 def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, parts):
     """Apply optimizer ``kind`` (0 sgd, 1 rowwise_adagrad, 2 adagrad, 3 adam) to rows[slots] in place.
@@ -74,9 +57,9 @@ def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, e
                    parts):
     """Bag gradients -> each unique row's gradient -> optimizer, row by row in parallel, in place.
 
-    The same arithmetic, in the same order, as ``row_grads`` then ``step_rows``,
-    without materialising the (unique rows, dim) gradient: each row sums its
-    ids' bag gradients into a per-thread scratch row as it is updated.
+    Each unique row sums its ids' bag gradients (in id order, scaled by
+    1/bag length for mean) into a scratch row, then ``_apply_row`` updates it:
+    the (unique rows, dim) gradient array is never materialised.
     """
     dim = grad_out.shape[1]
     n_uniq = slots.shape[0]

@@ -38,7 +38,7 @@ from torch import nn
 from embstore.errors import IdOutOfRangeError, InvalidInputError
 from embstore.kernels import unique_inverse
 from embstore.kernels import pool_rows
-from embstore.training._kernels import fused_bag_step, row_grads, step_rows
+from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import DEFAULT_EPS, OptimConfig, apply_update, check_optimizer, state_dim
 from embstore.training.working_set import ResidentWorkingSet, make_working_set
@@ -82,11 +82,8 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _FusedBag(torch.autograd.Function):
-    """Pool straight from the working tensor; backward turns bag gradients into row gradients and steps.
-
-    Used for unhashed / one-row-per-id tables: torch's embedding_bag backward
-    over a dense weight is slow on CPU, and the row gradient is one scatter.
-    """
+    """Accelerator path: pool from the gathered working tensor; backward scatters bag gradients into
+    row gradients (one index_add) and steps. CPU tables take ``_SlabBag`` instead."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, w: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
@@ -97,15 +94,12 @@ class _FusedBag(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, ...]:
         grad_out = grad_out.to(torch.float32).contiguous()
-        if grad_out.device.type == "cpu":
-            g = torch.from_numpy(row_grads(grad_out.numpy(), ctx.inv.numpy(), ctx.offsets.numpy(), ctx.mean, ctx.n))
-        else:
-            lens = ctx.offsets.diff()
-            per_id = grad_out.repeat_interleave(lens, dim=0)
-            if ctx.mean:
-                per_id = per_id / lens.clamp(min=1).repeat_interleave(lens)[:, None].to(per_id.dtype)
-            g = torch.zeros((ctx.n, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
-            g.index_add_(0, ctx.inv, per_id)
+        lens = ctx.offsets.diff()
+        per_id = grad_out.repeat_interleave(lens, dim=0)
+        if ctx.mean:
+            per_id = per_id / lens.clamp(min=1).repeat_interleave(lens)[:, None].to(per_id.dtype)
+        g = torch.zeros((ctx.n, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
+        g.index_add_(0, ctx.inv, per_id)
         ctx.step(g)
         return None, None, None, None, None, None
 

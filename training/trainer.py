@@ -491,7 +491,6 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     if sched.steps:
         total = min(total, sched.steps)
     ebc = model.sparse_arch.ebc
-    batch_size = cfg.data.batch_size
     stream = data.train(result.step, sched.epochs)
     bar = _progress(progress and ctx.is_main, total, result.step)
     t0, samples = time.perf_counter(), 0
