@@ -9,8 +9,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from embstore.kernels import PREFETCH_DISTANCE, prefetch_row
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+# Let LLVM reorder float sums: the row-wise mean of squared gradients is then a
+# vectorised reduction instead of a 64-add dependency chain per row (6.7x on
+# the fused step here); results stay within float tolerance of torch's.
+_FAST = {"reassoc", "contract"}
+
+
+@numba.njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, parts):
     """Apply optimizer ``kind`` (0 sgd, 1 rowwise_adagrad, 2 adagrad, 3 adam) to rows[slots] in place.
 
@@ -24,7 +31,10 @@ def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, par
     chunk = (slots.shape[0] + parts - 1) // parts
     for p in numba.prange(parts):  # static partition: one scratch row per part
         gi = scratch[p]
-        for i in range(p * chunk, min(slots.shape[0], (p + 1) * chunk)):
+        end = min(slots.shape[0], (p + 1) * chunk)
+        for i in range(p * chunk, end):
+            if i + PREFETCH_DISTANCE < end:
+                _prefetch_slot(rows, state, slots[i + PREFETCH_DISTANCE], dim)
             for d in range(dim):
                 gi[d] = g[i, d]
             _apply_row(kind, rows, state, slots[i], gi, lr, eps, b1, b2, np.float32(wd), global_step)
@@ -52,7 +62,7 @@ def _occurrences(inv, n_uniq, offsets):
     return start, order, bag
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, eps, b1, b2, wd, global_step,
                    parts):
     """Bag gradients -> each unique row's gradient -> optimizer, row by row in parallel, in place.
@@ -69,9 +79,20 @@ def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, e
     chunk = (n_uniq + parts - 1) // parts
     for p in numba.prange(parts):  # static partition: one scratch row per part, no thread ids needed
         gi = scratch[p]
-        for u in range(p * chunk, min(n_uniq, (p + 1) * chunk)):
+        end = min(n_uniq, (p + 1) * chunk)
+        for u in range(p * chunk, end):
+            if u + PREFETCH_DISTANCE < end:
+                _prefetch_slot(rows, state, slots[u + PREFETCH_DISTANCE], dim)
             _fused_row(kind, rows, state, slots[u], start[u], start[u + 1], order, bag, offsets, grad_out, mean,
                        lr, eps, b1, b2, w, global_step, gi)
+
+
+@numba.njit(cache=True, inline="always")
+def _prefetch_slot(rows, state, s, dim):
+    """Prefetch a slot's row and its optimizer state (inside the row when ``rows`` is a wider slab)."""
+    prefetch_row(rows, s, rows.shape[1])
+    if rows.shape[1] == dim and state.shape[1]:
+        prefetch_row(state, s, state.shape[1])
 
 
 @numba.njit(cache=True, inline="always")

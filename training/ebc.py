@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embstore.errors import IdOutOfRangeError, InvalidInputError
-from embstore.kernels import unique_inverse
-from embstore.kernels import pool_rows
+from embstore.kernels import pool_rows, unique_inverse_each
 from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import DEFAULT_EPS, OptimConfig, apply_update, check_optimizer, state_dim
@@ -333,9 +332,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         Done synchronously when the batch enters the window so that a row it
         shares with the batch being trained is pinned before that batch retires.
         """
-        for t, ws in enumerate(self.ws):
-            rows = self._physical(t, batch.ids[t])
-            uniq, inv = unique_inverse(rows.reshape(-1))
+        rows = [self._physical(t, batch.ids[t]).reshape(-1) for t in range(len(self.ws))]
+        for ws, (uniq, inv) in zip(self.ws, unique_inverse_each(rows)):
             with self._lock:
                 slots, missing = ws.reserve(uniq, batch.seq)
             batch.uniq.append(uniq)
