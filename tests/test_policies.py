@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from embstore.policies import (SKETCH_MAX, SKETCH_SAMPLE_PER_SLOT, SKETCH_WIDTH_PER_SLOT, CacheDirectory,
+from embstore.policies import (M_BMIN, SKETCH_MAX, SKETCH_SAMPLE_PER_SLOT, SKETCH_WIDTH_PER_SLOT, CacheDirectory,
                                DirectDirectory, mix64, simulate)
 
 MASK64 = (1 << 64) - 1
@@ -23,39 +23,55 @@ def py_mix64(x: int) -> int:
 
 
 class RefSketch:
+    """Count-min sketch, 4 rows, conservative update (raise only the counters at the minimum)."""
+
     def __init__(self, capacity: int) -> None:
-        self.width = 1 << max(4, (SKETCH_WIDTH_PER_SLOT * capacity - 1).bit_length())
+        self.width = min(SKETCH_WIDTH_PER_SLOT * capacity, 1 << 32)
         self.rows = [[0] * self.width for _ in range(4)]
         self.adds, self.sample = 0, SKETCH_SAMPLE_PER_SLOT * capacity
 
-    def add(self, k: int) -> None:
-        for r in range(4):
-            h = py_mix64(k ^ SEEDS[r]) & (self.width - 1)
-            self.rows[r][h] = min(SKETCH_MAX, self.rows[r][h] + 1)
+    def cols(self, k: int) -> list[int]:
+        return [((py_mix64(k ^ SEEDS[r]) >> 32) * self.width) >> 32 for r in range(4)]
+
+    def add(self, k: int) -> bool:
+        """Count k; True when the sketch aged (every counter halved)."""
+        e = self.est(k)
+        for r, c in enumerate(self.cols(k)):
+            if self.rows[r][c] == e < SKETCH_MAX:
+                self.rows[r][c] += 1
         self.adds += 1
-        if self.adds >= self.sample:
-            self.rows = [[c >> 1 for c in row] for row in self.rows]
-            self.adds //= 2
+        if self.adds < self.sample:
+            return False
+        self.rows = [[c >> 1 for c in row] for row in self.rows]
+        self.adds //= 2
+        return True
 
     def est(self, k: int) -> int:
-        return min(self.rows[r][py_mix64(k ^ SEEDS[r]) & (self.width - 1)] for r in range(4))
+        return min(self.rows[r][c] for r, c in enumerate(self.cols(k)))
 
 
-def ref_run(policy: str, capacity: int, keys: list[int]) -> list[bool]:
-    """Per-access reference caches: LRU (OrderedDict), LFU (freq, last use), CLOCK (ring)."""
+def ref_run(policy: str, capacity: int, keys: list[int], lfu_state: list | None = None) -> list[bool]:
+    """Per-access reference caches: LRU (OrderedDict), LFU (frequency -> keys in recency order), CLOCK (ring).
+
+    With TinyLFU a missing key is admitted only when its estimate beats the victim's (for LFU: the victim's
+    frequency); LFU then files it at its estimate and halves every frequency when the sketch ages.
+    ``lfu_state`` receives LFU's final (frequency, keys from victim side) buckets."""
     base, tiny = policy.split("+")[0], policy.endswith("+tinylfu")
     sk = RefSketch(capacity) if tiny else None
-    out, tick = [], 0
+    out = []
     lru: OrderedDict[int, None] = OrderedDict()
-    freq: dict[int, tuple[int, int]] = {}
+    buckets: dict[int, OrderedDict[int, None]] = {}
+    freq: dict[int, int] = {}
     ring: list[int | None] = [None] * capacity
     refbit = [0] * capacity
     where: dict[int, int] = {}
     hand = 0
     for k in keys:
-        tick += 1
-        if sk:
-            sk.add(k)
+        if sk and sk.add(k) and base == "lfu":
+            old, buckets = buckets, {}
+            for f in sorted(old):
+                buckets.setdefault(f >> 1, OrderedDict()).update(old[f])
+            freq = {x: f for f, b in buckets.items() for x in b}
         if base == "lru":
             if k in lru:
                 lru.move_to_end(k); out.append(True); continue
@@ -66,14 +82,18 @@ def ref_run(policy: str, capacity: int, keys: list[int]) -> list[bool]:
                 del lru[v]
             lru[k] = None
         elif base == "lfu":
-            if k in freq:
-                freq[k] = (freq[k][0] + 1, tick); out.append(True); continue
-            if len(freq) >= capacity:
-                v = min(freq, key=lambda x: freq[x])
-                if sk and sk.est(k) <= sk.est(v):
+            hit = k in freq
+            if hit or len(freq) >= capacity:
+                f = freq[k] if hit else min(buckets)
+                v = k if hit else next(iter(buckets[f]))
+                if not hit and sk and sk.est(k) <= f:
                     out.append(False); continue
-                del freq[v]
-            freq[k] = (1, tick)
+                del buckets[f][v], freq[v]
+                if not buckets[f]:
+                    del buckets[f]
+            freq[k] = freq_k = f + 1 if hit else (sk.est(k) if sk else 1)
+            buckets.setdefault(freq_k, OrderedDict())[k] = None
+            out.append(hit); continue
         else:
             if k in where:
                 refbit[where[k]] = 1; out.append(True); continue
@@ -88,6 +108,8 @@ def ref_run(policy: str, capacity: int, keys: list[int]) -> list[bool]:
                 del where[ring[s]]
             ring[s], where[k], refbit[s] = k, s, 0
         out.append(False)
+    if lfu_state is not None:
+        lfu_state.extend((f, list(buckets[f])) for f in sorted(buckets))
     return out
 
 
@@ -130,6 +152,44 @@ def test_batched_access_equals_sequential(policy: str) -> None:
     got = np.concatenate([d.access(b).hit for b in batches])
     assert got.tolist() == ref
     assert simulate(flat, offsets, 50, policy).tolist() == ref
+
+
+def lfu_buckets(d: CacheDirectory) -> list[tuple[int, list[int]]]:
+    """The directory's LFU buckets, lowest frequency first, each's keys from the victim side."""
+    out, b = [], int(d._meta[M_BMIN])
+    while b >= 0:
+        keys, s = [], int(d._bht[b, 0])
+        while s >= 0:
+            keys.append(int(d.slot_key[s])); s = int(d._nxt[s])
+        out.append((int(d._bfreq[b]), keys)); b = int(d._bnext[b])
+    return out
+
+
+@pytest.mark.parametrize("capacity", [3, 16])
+def test_lfu_tinylfu_ages_like_reference(capacity: int) -> None:
+    """Through many sketch agings (resident frequencies halve, buckets merge) the hit sequence and the
+    final (frequency, recency) order of every resident equal the reference's."""
+    keys = zipf_keys(12 * SKETCH_SAMPLE_PER_SLOT * capacity, 300, 1.0, seed=capacity)
+    state: list = []
+    ref = ref_run("lfu+tinylfu", capacity, keys.tolist(), state)
+    d = CacheDirectory(capacity, "lfu+tinylfu")
+    got = np.concatenate([d.access(np.unique(keys[i:i + 1])).hit for i in range(len(keys))])
+    assert got.tolist() == ref
+    assert lfu_buckets(d) == state
+    assert len(state) > 1 and 0 < sum(ref) < len(ref)
+
+
+def test_lfu_tinylfu_lets_a_formerly_hot_row_leave() -> None:
+    """Resident frequencies age with the sketch: rows hot long ago give way to rows hot now
+    (an LFU whose counts never age would keep the old rows forever)."""
+    d = CacheDirectory(4, "lfu+tinylfu")
+    old, new = np.arange(4, dtype=np.int64), np.arange(10, 14, dtype=np.int64)
+    for _ in range(300):
+        d.access(old)
+    assert sorted(d.slot_key.tolist()) == old.tolist()
+    for _ in range(300):
+        d.access(new)
+    assert sorted(d.slot_key.tolist()) == new.tolist()
 
 
 @settings(max_examples=60, deadline=None)

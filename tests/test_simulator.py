@@ -35,7 +35,7 @@ def _drive(store, trace):
                 store[n].lookup(ids)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "clock", "lru+tinylfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu"])
 def test_simulator_matches_store(tmp_path, policy):
     tr = tracegen.generate(zipf_alpha=0.9, batches=12, batch_size=120, tables=2, ids=600, seed=3)
     levels = [(policy, 40), ("lru", 150)]

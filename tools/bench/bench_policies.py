@@ -6,6 +6,18 @@ For one cache over all tables (rows are (table, id) pairs, per-batch
 deduplicated accesses), at 1%, 5% and 10% of the unique rows, prints each
 policy's hit ratio and its share of MIN's hit ratio (the baseline, measured in
 the same run). Goal: the best policy >= 95% of MIN.
+
+Two reference points follow the store's policies (they are not policies the
+store can run, and do not count as "best"):
+
+- ``exact-lfu``: an online LFU that remembers the exact count of every row ever
+  seen (unbounded memory): a row enters at its count, the victim is the least
+  counted resident (least recently used among equals), a row is admitted only
+  when its count beats the victim's. On a trace whose popularity is stationary,
+  ranking rows by count is what any online policy can do at best, so this is
+  the ceiling of the frequency-based policies above.
+- ``topk-hindsight``: the best fixed set of rows chosen with the whole trace's
+  counts (offline: it knows the future), filled on first access.
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import numba
 import numpy as np
 
 from embstore import tracegen
@@ -22,6 +35,62 @@ from embstore.traces import dense_keys
 
 POLICIES = ("lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu")
 FRACTIONS = (0.01, 0.05, 0.10)
+
+
+@numba.njit(cache=True)
+def exact_lfu_hits(keys, num_keys, max_count, capacity):  # pragma: no cover - numba
+    """Hits of the exact full-history LFU (see module doc); ``keys`` in ``[0, num_keys)``."""
+    cnt = np.zeros(num_keys, np.int64)
+    resident = np.zeros(num_keys, np.bool_)
+    prv = np.full(num_keys, -1, np.int64)
+    nxt = np.full(num_keys, -1, np.int64)
+    head = np.full(max_count + 2, -1, np.int64)  # one recency list per count
+    tail = np.full(max_count + 2, -1, np.int64)
+    n_res = 0
+    low = 0
+    hits = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        cnt[k] += 1
+        c = cnt[k]
+        if resident[k]:
+            hits += 1
+            p, q = prv[k], nxt[k]  # unlink from list c - 1
+            if p >= 0:
+                nxt[p] = q
+            else:
+                head[c - 1] = q
+            if q >= 0:
+                prv[q] = p
+            else:
+                tail[c - 1] = p
+        else:
+            if n_res >= capacity:
+                while head[low] < 0:
+                    low += 1
+                if c <= low:
+                    continue
+                v = head[low]
+                head[low] = nxt[v]
+                if nxt[v] >= 0:
+                    prv[nxt[v]] = -1
+                else:
+                    tail[low] = -1
+                resident[v] = False
+                n_res -= 1
+            resident[k] = True
+            n_res += 1
+        prv[k] = tail[c]  # append to list c
+        nxt[k] = -1
+        if tail[c] >= 0:
+            nxt[tail[c]] = k
+        else:
+            head[c] = k
+        tail[c] = k
+        low = min(low, c)
+        while head[low] < 0:
+            low += 1
+    return hits
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -36,21 +105,31 @@ def main(argv: list[str] | None = None) -> dict:
     uniq = int(np.unique(keys).size)
     caps = np.array([max(1, int(f * uniq)) for f in FRACTIONS], np.int64)
     out: dict = {"accesses": int(keys.size), "unique_rows": uniq, "fractions": list(FRACTIONS),
-                 "capacities": caps.tolist(), "belady_hit_ratio": [], "policies": {}}
+                 "capacities": caps.tolist(), "belady_hit_ratio": [], "policies": {}, "references": {}}
     n = keys.size
     mins = np.array([belady_hits(keys, int(c)) for c in caps])
     out["belady_hit_ratio"] = (mins / n).tolist()
     print(f"{n:,} deduplicated accesses, {uniq:,} unique rows; hit ratio (share of MIN)")
-    print(f"{'policy':<12}" + "".join(f"{f'{100 * f:.0f}% ({c:,})':>22}" for f, c in zip(FRACTIONS, caps)))
-    print(f"{'belady':<12}" + "".join(f"{100 * m / n:21.2f}%" for m in mins))
-    for pol in POLICIES:
-        hits = miss_ratio_curve(keys, off, caps, pol, dedup=False)
+    print(f"{'policy':<15}" + "".join(f"{f'{100 * f:.0f}% ({c:,})':>22}" for f, c in zip(FRACTIONS, caps)))
+    print(f"{'belady':<15}" + "".join(f"{100 * m / n:21.2f}%" for m in mins))
+
+    def row(name: str, hits: np.ndarray, into: dict) -> None:
         share = np.where(mins > 0, hits / np.maximum(mins, 1), 1.0)
-        out["policies"][pol] = {"hit_ratio": (hits / n).tolist(), "share_of_belady": share.tolist()}
-        print(f"{pol:<12}" + "".join(f"{100 * h / n:12.2f}% ({100 * s:5.1f}%)" for h, s in zip(hits, share)))
+        into[name] = {"hit_ratio": (hits / n).tolist(), "share_of_belady": share.tolist()}
+        print(f"{name:<15}" + "".join(f"{100 * h / n:12.2f}% ({100 * s:5.1f}%)" for h, s in zip(hits, share)))
+
+    for pol in POLICIES:
+        row(pol, miss_ratio_curve(keys, off, caps, pol, dedup=False), out["policies"])
     best = [max(out["policies"][p]["share_of_belady"][i] for p in POLICIES) for i in range(len(caps))]
     out["best_share_of_belady"] = best
     print("best share of MIN: " + ", ".join(f"{100 * b:.1f}%" for b in best) + "  (goal >= 95%)")
+    print("reference points (not store policies; see module doc):")
+    k = int(keys.max()) + 1 if keys.size else 0
+    counts = np.bincount(keys, minlength=k)
+    mc = int(counts.max()) if k else 0
+    row("exact-lfu", np.array([exact_lfu_hits(keys, k, mc, int(c)) for c in caps]), out["references"])
+    top = np.sort(counts)[::-1]
+    row("topk-hindsight", np.array([int((top[:c] - 1).clip(0).sum()) for c in caps]), out["references"])
     if args.json:
         print(json.dumps(out))
     return out
