@@ -159,6 +159,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._awaiting: list[_Batch] = []  # forwarded, backward not done yet
         self._next_seq = 0
         self._executor: cf.ThreadPoolExecutor | None = None
+        self._writes: collections.deque[cf.Future] = collections.deque()  # write-behind jobs not reaped yet
         self.steps = 0
         self.counters = {"demand_misses": 0, "prefetched_rows": 0, "late_rows": 0, "batches": 0,
                          "stall_s": 0.0, "written_back_rows": 0}
@@ -168,6 +169,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         """Pooled bags, shape (batch, num_tables, dim); per-table (ids, offsets) lists or one KeyedJaggedBatch."""
         id_list, off_list = normalize(self.table_names, ids, offsets)
         self._retire_unfinished()
+        self._reap_writes()
         batch = self._take_prefetched(id_list, off_list)
         if batch is None:
             self._drain()
@@ -371,10 +373,29 @@ class TieredEmbeddingBagCollection(nn.Module):
         return b
 
     def _drain(self) -> None:
-        """Wait until no prefetch is in flight (a demand fetch must not race one)."""
+        """Wait until no prefetch or write-back is in flight (a demand fetch must not race one)."""
         for b in list(self._queue):
             if b.future is not None:
                 b.future.result()
+        self._reap_writes(wait=True)
+
+    def _write_behind(self, table: Any, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        """Write evicted rows back on the prefetch thread, off the training step's path.
+
+        That thread runs its jobs in order, and a row evicted here can only be
+        fetched again by a batch reserved after this point, whose fetch job
+        comes later: no fetch reads a row older than its write-back. A failed
+        write is raised by the next forward, flush or release.
+        """
+        if self._executor is None:
+            table.write_with_state(keys, rows, state)
+            return
+        self._writes.append(self._executor.submit(table.write_with_state, keys, rows, state))
+
+    def _reap_writes(self, wait: bool = False) -> None:
+        """Forget finished write-behind jobs (all of them with ``wait``), raising the first failure."""
+        while self._writes and (wait or self._writes[0].done()):
+            self._writes.popleft().result()
 
     def _gatherer(self, batch: _Batch, t: int) -> Callable[[], torch.Tensor]:
         ws = self.ws[t]
@@ -451,7 +472,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 self.steps += 1
             horizon = min(self._pending) if self._pending else float("inf")
             for ws in self.ws:
-                self.counters["written_back_rows"] += ws.evict_before(horizon)
+                self.counters["written_back_rows"] += ws.evict_before(horizon, self._write_behind)
 
     def __repr__(self) -> str:
         return (f"TieredEmbeddingBagCollection(tables={self.table_names}, dim={self.dim}, "

@@ -13,11 +13,15 @@ only ``Table.read_with_state`` (the slow part of a prefetch) runs outside it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
 from embstore.table import Table
 from embstore.training._index import SlotIndex
+
+Writer = Callable[[Table, np.ndarray, np.ndarray, np.ndarray], None]  # (table, keys, rows, state)
 
 
 class WorkingSet:
@@ -70,14 +74,19 @@ class WorkingSet:
             if self.state_dim:
                 self.state[idx] = torch.from_numpy(state).to(self.device)
 
-    def evict_before(self, seq: float) -> int:
-        """Drop every row no batch with sequence >= ``seq`` uses; returns how many were written back dirty."""
+    def evict_before(self, seq: float, write: Writer | None = None) -> int:
+        """Drop every row no batch with sequence >= ``seq`` uses; returns how many were written back dirty.
+
+        ``write(table, keys, rows, state)`` stores the dirty ones (default: the
+        table's ``write_with_state`` right away); it gets copies, so the slots
+        are free for reuse as soon as this returns.
+        """
         occupied = self.key >= 0
         victims = np.flatnonzero(occupied & (self.last_use < seq))
         if len(victims) == 0:
             return 0
         dirty = victims[self.dirty[victims]]
-        self._write_back(dirty)
+        self._write_back(dirty, write)
         keys = self.key[victims]
         if len(victims) == int(occupied.sum()):
             self.index = SlotIndex(max(self.index.count, 1024))
@@ -96,13 +105,17 @@ class WorkingSet:
         self._write_back(slots)
         return len(slots)
 
-    def _write_back(self, slots: np.ndarray) -> None:
+    def _write_back(self, slots: np.ndarray, write: Writer | None = None) -> None:
         if len(slots) == 0:
             return
         idx = torch.from_numpy(slots).to(self.device)
         rows = self.rows[idx].cpu().numpy()
         state = self.state[idx].cpu().numpy()
-        self.table.write_with_state(self.key[slots], rows, state)
+        keys = self.key[slots]
+        if write is None:
+            self.table.write_with_state(keys, rows, state)
+        else:
+            write(self.table, keys, rows, state)
         self.dirty[slots] = False
 
     def _grow(self, need: int) -> None:
@@ -163,7 +176,7 @@ class ResidentWorkingSet:
     def fill(self, slots: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Nothing to copy: reading through the hierarchy already put the rows in the slab."""
 
-    def evict_before(self, seq: float) -> int:
+    def evict_before(self, seq: float, write: Writer | None = None) -> int:
         return 0  # the slab holds the whole table; dirty rows go home on Table.flush()
 
     def write_back_all(self) -> int:
