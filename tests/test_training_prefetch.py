@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+from faultfs import needs_mount
 
 from embstore.training import TieredEmbeddingBagCollection, state_dim
 from embstore.training.testing import TorchReference, initial_weights, loss_of, make_store, random_batches, rel_err
@@ -105,3 +107,58 @@ def test_keyed_batches_through_pipeline(tmp_path) -> None:
         seen += 1
     assert seen == 4 and ebc.counters["demand_misses"] == 0 and ebc.steps == 4
     store.close()
+
+
+def test_write_backs_run_on_the_prefetch_thread_and_stay_exact(tmp_path) -> None:
+    """With look-ahead, evicted rows are written behind on the prefetch thread; the result equals the
+    same training without look-ahead (whose write-backs are synchronous) bit for bit."""
+    import threading
+
+    batches = random_batches(5, 14, [ROWS, ROWS], batch=32, max_len=8, dim=DIM, zipf=1.2)
+    plain = cold_store(tmp_path / "plain")
+    run(TieredEmbeddingBagCollection(plain, ["a", "b"], optimizer="rowwise_adagrad"), batches, 0)
+
+    ahead = cold_store(tmp_path / "ahead")
+    ebc = TieredEmbeddingBagCollection(ahead, ["a", "b"], optimizer="rowwise_adagrad")
+    writers: list[str] = []
+    for table in ebc.tables:  # the tables as the module holds them (with their optimizer state)
+        inner = table.write_with_state
+
+        def recording(rows, values, state, _inner=inner):
+            writers.append(threading.current_thread().name)
+            return _inner(rows, values, state)
+        table.write_with_state = recording
+    run(ebc, batches, 2)
+    assert writers and all(w.startswith("embstore-prefetch") for w in writers)
+    ebc.flush()
+    rows = np.arange(ROWS, dtype=np.int64)
+    for n in ("a", "b"):
+        got, got_state = ahead[n].read_with_state(rows)
+        want, want_state = plain[n].read_with_state(rows)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got_state, want_state)
+    plain.close()
+    ahead.close()
+
+
+@needs_mount
+def test_a_failed_write_behind_surfaces_as_disk_full(tiny_tmpfs) -> None:
+    """A real ENOSPC hit by a write-back on the prefetch thread is raised to the training loop, typed."""
+    import embstore
+    from embstore.config import StoreConfig, TableConfig, TierConfig
+
+    rows, dim = 400_000, 8
+    row_bytes = 4 * (dim + state_dim("sgd", dim))
+    cfg = TableConfig("t", rows, dim, tiers=(TierConfig("dram", 512 * row_bytes, "lru"), TierConfig("ssd")))
+    store = embstore.create(tiny_tmpfs.path / "s", StoreConfig((cfg,)))
+    ebc = TieredEmbeddingBagCollection(store, ["t"], optimizer="sgd", lr=0.1)
+    rng = np.random.default_rng(0)
+    batches = [([rng.integers(0, rows, 512)], [np.arange(0, 513, 4)]) for _ in range(400)]
+    with pytest.raises(embstore.DiskFullError):
+        for ids, offs in ebc.pipeline(batches, lookahead=2, sparse=lambda b: b):
+            ebc(ids, offs).sum().backward()
+        ebc.flush()
+    try:
+        store.close()
+    except embstore.TierIOError:
+        pass  # closing flushes again, into the same full disk
