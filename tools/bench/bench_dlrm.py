@@ -6,9 +6,13 @@
 Criteo Kaggle shape: 26 tables of dim 16 (the Kaggle cardinalities, capped),
 bottom MLP 13-512-256-64-16, top MLP 512-256-1, batch 2048, rowwise Adagrad,
 synthetic Zipf(1.05) ids. Baseline: every table fully cached in a DRAM tier
-over an mmap home. Tiered: a DRAM tier of 1/10 of the rows' bytes (row +
-optimizer state) over an ``ssd`` (io_uring) home, look-ahead ``--lookahead``
-batches. Prints samples/s of both and their ratio (goal >= 0.7).
+over an mmap home. Tiered: DRAM caches holding 1/10 of all the rows' bytes
+(row + optimizer state) in total, over ``ssd`` (io_uring) homes, look-ahead
+``--lookahead`` batches. ``--placement tuned`` (default) splits that budget
+between the tables as ``embstore tune`` does, on a trace of the same click
+distribution drawn with another seed (tables it gives every row they use are
+held whole, so they train in place); ``uniform`` gives each table 1/10 of its
+own rows. Prints samples/s of both and their ratio (goal >= 0.7).
 ``--precision`` also trains a small synthetic model with float32, float16 and
 int8 rows and prints the held-out AUC of each (the precision's AUC cost).
 """
@@ -39,8 +43,8 @@ DIM, ROW_BYTES = 16, (16 + 1) * 4  # float32 row + rowwise-adagrad state
 
 def run_config(path: Path, sizes: list[int], tiers: Any, batch: int, warmup: int, steps: int,
                lookahead: int) -> float:
-    """Samples/s of DLRM training steps after ``warmup`` untimed ones; ``tiers(rows)`` gives a table's tiers."""
-    tables = tuple(TableConfig.from_dict({"name": f"c{i}", "num_embeddings": n, "dim": DIM, "tiers": tiers(n)})
+    """Samples/s of DLRM training steps after ``warmup`` untimed ones; ``tiers(i, rows)`` gives table i's tiers."""
+    tables = tuple(TableConfig.from_dict({"name": f"c{i}", "num_embeddings": n, "dim": DIM, "tiers": tiers(i, n)})
                    for i, n in enumerate(sizes))
     store = embstore.create(path, StoreConfig(tables))
     try:
@@ -63,6 +67,47 @@ def run_config(path: Path, sizes: list[int], tiers: Any, batch: int, warmup: int
         return steps * batch / elapsed
     finally:
         store.close()
+
+
+def tuned_dram_rows(sizes: list[int], batch: int, budget_bytes: int,
+                    batches: int = 40) -> tuple[list[int], list[str]]:
+    """Per-table DRAM cache rows from ``embstore.tuning.tune`` on a trace of the same click distribution.
+
+    The trace is drawn with another seed than the training data (which rows
+    are hot differs; how skewed each table is does not). A table the plan
+    gives every row the trace used is held whole when the budget still allows,
+    so its DRAM tier is direct-mapped and it trains in place; budget the plan
+    leaves over (it never sizes a cache beyond the rows its trace saw) is
+    shared by the other tables in proportion to their uncached rows.
+    """
+    import numpy as np
+
+    from embstore.traces import Trace
+    from embstore.tuning import tune
+
+    clicks = SyntheticClicks(tuple(sizes), batch, batches, zipf_alpha=1.05, seed=7)
+    ids, table, offs = [], [], [0]
+    for i in range(batches):
+        b = clicks.batch(i)
+        for t, x in enumerate(b.ids):
+            ids.append(x.numpy())
+            table.append(np.full(len(x), t, np.int32))
+        offs.append(offs[-1] + sum(len(x) for x in b.ids))
+    trace = Trace(np.concatenate(ids), np.concatenate(table), np.array(offs, np.int64),
+                  tuple(f"c{i}" for i in range(len(sizes))))
+    plan = tune(trace, budget_bytes, row_bytes=ROW_BYTES, dim=DIM)
+    rows = [min(p.dram_rows, n) for p, n in zip(plan.tables, sizes)]
+    spare = budget_bytes - sum(rows) * ROW_BYTES
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i]):
+        p, n = plan.tables[i], sizes[i]
+        if rows[i] and rows[i] >= p.unique_rows and rows[i] < n and (n - rows[i]) * ROW_BYTES <= spare:
+            spare -= (n - rows[i]) * ROW_BYTES
+            rows[i] = n
+    part = [i for i in range(len(sizes)) if rows[i] < sizes[i]]  # a short trace caps a plan at the rows it saw:
+    room = sum(sizes[i] - rows[i] for i in part)                 # what is left goes to the cached tables
+    for i in part:
+        rows[i] += min(sizes[i] - rows[i], spare // ROW_BYTES * (sizes[i] - rows[i]) // max(room, 1))
+    return rows, [p.dram_policy for p in plan.tables]
 
 
 def precision_auc(root: Path) -> dict[str, float]:
@@ -108,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30, quick 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10, quick 4)")
     p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument("--placement", choices=("tuned", "uniform"), default="tuned",
+                   help="split the DRAM budget as `embstore tune` would, or 1/10 of every table")
     p.add_argument("--precision", action="store_true", help="also compare float32/float16/int8 rows' AUC")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir; ssd needs O_DIRECT)")
     args = p.parse_args(argv)
@@ -118,16 +165,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     total_bytes = sum(sizes) * ROW_BYTES
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         root = Path(d)
-        def all_dram(n: int) -> list[dict[str, Any]]:  # the cache holds the whole table
+        def all_dram(i: int, n: int) -> list[dict[str, Any]]:  # the cache holds the whole table
             return [{"kind": "dram", "capacity": n * ROW_BYTES + (1 << 16)}, {"kind": "mmap"}]
 
-        def tenth(n: int) -> list[dict[str, Any]]:  # each table is 10x its DRAM cache
-            return [{"kind": "dram", "capacity": max(n * ROW_BYTES // 10, 64 * ROW_BYTES), "policy": "lru"},
-                    {"kind": "ssd"}]
+        if args.placement == "tuned":
+            cache_rows, policies = tuned_dram_rows(sizes, args.batch, total_bytes // 10)
+        else:  # each table is 10x its DRAM cache
+            cache_rows, policies = [max(n // 10, 64) for n in sizes], ["lru"] * len(sizes)
+
+        def tiered(i: int, n: int) -> list[dict[str, Any]]:
+            rows = cache_rows[i]
+            return ([{"kind": "dram", "capacity": rows * ROW_BYTES, "policy": policies[i]}] if rows else []) + \
+                [{"kind": "ssd"}]
+        dram_bytes = sum(cache_rows) * ROW_BYTES
         dram_rate = run_config(root / "dram", sizes, all_dram, args.batch, warmup, steps, args.lookahead)
-        ssd_rate = run_config(root / "ssd", sizes, tenth, args.batch, warmup, steps, args.lookahead)
+        ssd_rate = run_config(root / "ssd", sizes, tiered, args.batch, warmup, steps, args.lookahead)
         result: dict[str, Any] = {
-            "rows": sum(sizes), "table_bytes": total_bytes, "batch": args.batch, "steps": steps,
+            "rows": sum(sizes), "table_bytes": total_bytes, "placement": args.placement,
+            "dram_cache_bytes": dram_bytes, "dram_cache_share": round(dram_bytes / total_bytes, 4),
+            "tables_whole_in_dram": sum(r >= n for r, n in zip(cache_rows, sizes)), "batch": args.batch, "steps": steps,
             "dram_samples_per_s": round(dram_rate), "ssd_samples_per_s": round(ssd_rate),
             "ratio_ssd_over_dram": round(ssd_rate / dram_rate, 3), "goal": 0.7}
         if args.precision:
