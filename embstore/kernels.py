@@ -59,28 +59,27 @@ def prefetch_row(arr, row, width):
 
 @numba.njit(cache=True, nogil=True)
 def _unique_inverse(ids, uniq, inverse, first):
+    """Linear-probing dedup; a slot is (key, position + 1), 0 marking it empty, so a probe touches one
+    cache line (separate key/value/used arrays cost three misses once the table outgrows L2)."""
     n = ids.shape[0]
     size = 16
     while size < 2 * n:
         size *= 2
     mask = size - 1
-    tk = np.full(size, -1, np.int64)
-    tv = np.empty(size, np.int64)
-    used = np.zeros(size, np.bool_)
+    table = np.zeros((size, 2), np.int64)
     nu = 0
     for i in range(n):
         k = ids[i]
         h = np.int64(mix64(np.uint64(k)) & np.uint64(mask))
-        while used[h] and tk[h] != k:
+        while table[h, 1] != 0 and table[h, 0] != k:
             h = (h + 1) & mask
-        if not used[h]:
-            used[h] = True
-            tk[h] = k
-            tv[h] = nu
+        if table[h, 1] == 0:
+            table[h, 0] = k
+            table[h, 1] = nu + 1
             uniq[nu] = k
             first[nu] = i
             nu += 1
-        inverse[i] = tv[h]
+        inverse[i] = table[h, 1] - 1
     return nu
 
 

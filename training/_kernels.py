@@ -78,7 +78,7 @@ def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, e
     w = np.float32(wd)
     chunk = (n_uniq + parts - 1) // parts
     for p in numba.prange(parts):  # static partition: one scratch row per part, no thread ids needed
-        gi = scratch[p]
+        gi = np.empty(dim, np.float32)  # per part, private: LLVM may keep it out of alias checks
         end = min(n_uniq, (p + 1) * chunk)
         for u in range(p * chunk, end):
             if u + PREFETCH_DISTANCE < end:
@@ -99,13 +99,22 @@ def _prefetch_slot(rows, state, s, dim):
 def _fused_row(kind, rows, state, s, lo, hi, order, bag, offsets, grad_out, mean, lr, eps, b1, b2, w, global_step,
                gi):
     dim = grad_out.shape[1]
-    for d in range(dim):
-        gi[d] = 0.0
-    for k in range(lo, hi):
-        b = bag[order[k]]
-        scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b]) if mean else np.float32(1.0)
+    if mean:
         for d in range(dim):
-            gi[d] += grad_out[b, d] * scale
+            gi[d] = 0.0
+        for k in range(lo, hi):
+            b = bag[order[k]]
+            scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
+            for d in range(dim):
+                gi[d] += grad_out[b, d] * scale
+    else:  # most rows occur once: copy the first bag gradient, add the rest
+        b = bag[order[lo]]
+        for d in range(dim):
+            gi[d] = grad_out[b, d]
+        for k in range(lo + 1, hi):
+            b = bag[order[k]]
+            for d in range(dim):
+                gi[d] += grad_out[b, d]
     _apply_row(kind, rows, state, s, gi, lr, eps, b1, b2, w, global_step)
 
 
