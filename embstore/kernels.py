@@ -1,13 +1,7 @@
-"""Vectorised building blocks of the lookup path: dedup, gather-pool, software prefetch.
+"""Vectorised building blocks of the lookup path: dedup, gather-pool.
 
 ``unique_inverse`` keeps first-occurrence order (as the trace simulator's
 per-batch dedup does), so the store and ``replay`` see the same sequence.
-
-Random rows of a slab far larger than the caches are the cost of every pooled
-lookup and training step: one DRAM miss per row, which a loop doing real work
-per row does not overlap by itself. ``prefetch_row`` asks for a row several
-iterations ahead (as fbgemm's JIT kernels do), which took the row update of a
-training step from 12 ms to 5 ms per table-batch here.
 """
 
 from __future__ import annotations
@@ -18,43 +12,9 @@ from typing import Sequence
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from embstore.policies import mix64
-
-PREFETCH_DISTANCE = 8  # rows ahead: 2-8 measured alike, 16 slower (bags of 20 rows, 2 threads)
-_LINE_FLOATS = 16  # float32 per 64-byte cache line
-
-
-@intrinsic
-def _prefetch(typingctx, arr, row, col):  # type: ignore[no-untyped-def]
-    """LLVM ``prefetch`` of ``&arr[row, col]`` (rw=1: the line will be written, locality 3: keep it)."""
-    sig = types.void(arr, row, col)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        idx = [context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 2)]
-        ptr = cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
-                                        cgutils.unpack_tuple(builder, ary.strides), aryty.layout, idx)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@numba.njit(cache=True, inline="always")
-def prefetch_row(arr, row, width):
-    """Start loading the cache lines of ``arr[row, :width]`` (a C-contiguous 2-D float32 array)."""
-    for c in range(0, width, _LINE_FLOATS):
-        _prefetch(arr, row, c)
-    _prefetch(arr, row, width - 1)  # a row not aligned to a line ends in one more
+from embstore.prefetch import PREFETCH_DISTANCE, prefetch_row
 
 
 @numba.njit(cache=True, nogil=True)

@@ -61,6 +61,7 @@ import numpy as np
 
 from embstore.arrays import Ids
 from embstore.config import PolicyKind, PolicySpec
+from embstore.prefetch import prefetch_at, prefetch_cell
 
 EMPTY = -1
 LRU, LFU, CLOCK = 0, 1, 2
@@ -69,6 +70,7 @@ _KIND_CODE = {PolicyKind.LRU: LRU, PolicyKind.LFU: LFU, PolicyKind.CLOCK: CLOCK}
 # meta slots
 M_NFREE, M_HEAD, M_TAIL, M_BMIN, M_NBFREE, M_HAND, M_EPOCH, M_SKADDS, M_SKSAMPLE = range(9)
 
+_INDEX_AHEAD = 8  # keys ahead whose hash bucket the access loop prefetches
 SKETCH_ROWS = 4
 SKETCH_WIDTH_PER_SLOT = 8
 SKETCH_SAMPLE_PER_SLOT = 100
@@ -273,6 +275,13 @@ def _sk_col(key, r, width):
     return np.int64((h * np.uint64(width)) >> np.uint64(32))
 
 
+@numba.njit(cache=True, inline="always")
+def _sketch_prefetch(sk, key):
+    w = sk.shape[1]
+    for r in range(SKETCH_ROWS):
+        prefetch_cell(sk, r, _sk_col(key, r, w))
+
+
 @numba.njit(cache=True)
 def _sketch_add(sk, key, meta):
     """Count one access of ``key`` (conservative update); returns (its estimate now, whether the sketch aged)."""
@@ -352,7 +361,15 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoc
     nhit = 0
     nrej = 0
     freq = np.int64(1)
-    for i in range(keys.shape[0]):
+    mask = np.uint64(len(tk) - 1)
+    n = keys.shape[0]
+    for i in range(n):
+        if i + _INDEX_AHEAD < n:  # the index outgrows L2 with the cache: ask for a later key's bucket now
+            h = np.int64(mix64(np.uint64(keys[i + _INDEX_AHEAD])) & mask)
+            prefetch_at(tk, h)
+            prefetch_at(tv, h)
+            if tiny:
+                _sketch_prefetch(sk, keys[i + _INDEX_AHEAD])
         k = keys[i]
         if tiny:
             freq, aged = _sketch_add(sk, k, meta)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from embstore.kernels import PREFETCH_DISTANCE, prefetch_row
+from embstore.prefetch import PREFETCH_DISTANCE, prefetch_row
 
 # Let LLVM reorder float sums: the row-wise mean of squared gradients is then a
 # vectorised reduction instead of a 64-add dependency chain per row (6.7x on
