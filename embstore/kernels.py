@@ -114,6 +114,20 @@ def pool_rows(rows, index, offsets, mean, out):
                 acc[d] /= n  # divide, as torch's embedding_bag does, for bit-equal means
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def gather_rows(slab, index, out):
+    """out[i] = slab[index[i], :out.shape[1]]: the embedding part of slab rows that carry optimizer state
+    (``np.take`` on such a strided view falls back to a slow path)."""
+    dim = out.shape[1]
+    n = index.shape[0]
+    for i in numba.prange(n):
+        if i + PREFETCH_DISTANCE < n:
+            prefetch_row(slab, index[i + PREFETCH_DISTANCE], dim)
+        r = index[i]
+        for d in range(dim):
+            out[i, d] = slab[r, d]
+
+
 def pool(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
     """Bag b = sum (or mean) of ``rows[index[offsets[b]:offsets[b+1]]]``; empty bags are zeros."""
     out = np.empty((len(offsets) - 1, rows.shape[1]), np.float32)

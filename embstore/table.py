@@ -18,7 +18,7 @@ from embstore.arrays import Ids, as_ids, as_offsets, as_rows
 from embstore.config import RowDType, TableConfig
 from embstore.errors import IdOutOfRangeError, InvalidInputError, StoreClosedError
 from embstore.hierarchy import Hierarchy
-from embstore.kernels import pool, unique_inverse, unique_last
+from embstore.kernels import gather_rows, pool, pool_rows, unique_inverse, unique_last
 from embstore.policies import DirectDirectory
 from embstore.tiers.cache import DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
@@ -121,11 +121,13 @@ class Table:
 
         This is the fast path for DRAM-resident tables: no dedup copy, the
         bags are pooled straight out of the slab; stats still count unique rows.
+        A trained table's slab rows carry the optimizer state after the
+        embedding (shape (slots, dim + state_dim)); callers read the first
+        ``dim`` columns.
         """
         top = self.hierarchy.caches[0] if self.hierarchy.caches else None
         if (top is None or not isinstance(top.directory, DirectDirectory) or not isinstance(top, DRAMTier)
-                or self.format.dtype is not RowDType.FLOAT32 or self.format.state_dim or rows.ndim != 1
-                or self.recorder is not None):
+                or self.format.dtype is not RowDType.FLOAT32 or rows.ndim != 1 or self.recorder is not None):
             return None
         n = top.directory.count_resident(rows)
         if n < 0:
@@ -151,7 +153,11 @@ class Table:
             rows = self.physical_rows(arr)
             slab = self._resident_slab(rows)
             if slab is not None:
-                out = np.take(slab, rows, axis=0)
+                if slab.shape[1] == self.dim:
+                    out = np.take(slab, rows, axis=0)
+                else:  # rows + optimizer state
+                    out = np.empty((len(rows), self.dim), np.float32)
+                    gather_rows(slab, np.ascontiguousarray(rows, np.int64), out)
             else:
                 out = self._gather(arr) if len(arr) else np.zeros((0, self.dim), np.float32)
         return self._out(np.ascontiguousarray(out, np.float32), as_torch)
@@ -167,8 +173,11 @@ class Table:
             self.lookups += len(arr)
             rows = self.physical_rows(arr)
             slab = self._resident_slab(rows)
-            if slab is not None:
+            if slab is not None and slab.shape[1] == self.dim:
                 out = _torch_pool(slab, rows, offs, mode)
+            elif slab is not None:  # rows + optimizer state: torch would copy the strided slab, numba pools it
+                out = np.empty((len(offs) - 1, self.dim), np.float32)
+                pool_rows(slab, np.ascontiguousarray(rows, np.int64), offs, mode == "mean", out)
             elif rows.ndim == 2:  # QR: combine per id, then pool
                 vals = self._gather(arr)
                 out = pool(vals, np.arange(len(arr), dtype=np.int64), offs, mode)

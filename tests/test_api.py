@@ -189,6 +189,28 @@ def test_optimizer_state_lives_beside_rows(tmp_path) -> None:
             store.ensure_state_dim("t", 1)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_trained_table_held_in_dram_reads_only_its_embedding(tmp_path, mode: str) -> None:
+    """A table whose DRAM slab rows carry optimizer state after the embedding (as after training) is read
+    straight from the slab: lookups and pooled bags equal torch on the embedding alone, never the state."""
+    rows, dim = 300, 8
+    cfg = TableConfig("t", rows, dim, tiers=(TierConfig("dram", rows * (dim + 1) * 4), TierConfig("mmap")))
+    store = embstore.create(tmp_path / "s", StoreConfig((cfg,)))
+    t = store.ensure_state_dim("t", 1)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((rows, dim), dtype=np.float32)
+    t.write_with_state(np.arange(rows, dtype=np.int64), w, np.full((rows, 1), 1e6, np.float32))
+    assert t.full_dram_tier() is not None
+    ids = rng.integers(0, rows, 500)
+    offsets = np.sort(np.r_[0, rng.integers(0, 501, 60), 500]).astype(np.int64)
+    np.testing.assert_array_equal(t.lookup(ids), w[ids])
+    want = torch.nn.functional.embedding_bag(torch.from_numpy(ids), torch.from_numpy(w), torch.from_numpy(offsets),
+                                             mode=mode, include_last_offset=True).numpy()
+    np.testing.assert_allclose(t.lookup_pooled(ids, offsets, mode), want, rtol=1e-6, atol=1e-6)
+    assert t.stats()["dram"]["hits"] == 2 * len(np.unique(ids))  # distinct rows per call, as everywhere
+    store.close()
+
+
 def test_learned_hash_table_is_self_contained(tmp_path) -> None:
     from embstore.hashing import LearnedHash
 
