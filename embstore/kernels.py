@@ -7,6 +7,7 @@ per-batch dedup does), so the store and ``replay`` see the same sequence.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 from typing import Sequence
 
@@ -51,6 +52,15 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 _threads: cf.ThreadPoolExecutor | None = None
 _threads_lock = threading.Lock()
+
+
+def _forget_threads() -> None:
+    """A forked child inherits the pool object but not its threads: start a fresh one there."""
+    global _threads, _threads_lock
+    _threads, _threads_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
 
 
 def unique_inverse_each(arrays: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from embstore.hierarchy import Hierarchy
-from embstore.kernels import pool, unique_inverse, unique_last
+from embstore.kernels import gather_rows, pool, unique_inverse, unique_inverse_each, unique_last
 from embstore.tiers.base import Tier
 from embstore.tiers.cache import DeviceTier, DRAMTier
 
@@ -116,6 +116,47 @@ def test_unique_inverse_and_last(ids: list[int]) -> None:
     assert sorted(u2.tolist()) == sorted(set(ids))
     for k, pos in zip(u2, last):
         assert arr[pos] == k and k not in ids[pos + 1:]
+
+
+@given(st.lists(st.lists(st.integers(-3, 40), max_size=30), max_size=6))
+def test_unique_inverse_each_equals_one_at_a_time(arrays: list[list[int]]) -> None:
+    arrs = [np.array(a, np.int64) for a in arrays]
+    for (u, inv), a in zip(unique_inverse_each(arrs), arrs, strict=True):
+        u1, inv1 = unique_inverse(a)
+        np.testing.assert_array_equal(u, u1)
+        np.testing.assert_array_equal(inv, inv1)
+
+
+def test_unique_inverse_each_works_in_a_forked_child() -> None:
+    """The dedup thread pool is per process: a child forked after the parent used it must not hang."""
+    import os
+
+    arrs = [np.arange(100, dtype=np.int64) % 7 for _ in range(4)]
+    unique_inverse_each(arrs)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        ok = all(len(u) == 7 for u, _ in unique_inverse_each(arrs))
+        os._exit(0 if ok else 1)
+    deadline = 30
+    import time
+
+    start = time.monotonic()
+    while time.monotonic() - start < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    raise AssertionError("unique_inverse_each hung in a forked child")
+
+
+@given(st.lists(st.integers(0, 19), max_size=60), st.integers(1, 6))
+def test_gather_rows_reads_the_leading_columns(idx: list[int], extra: int) -> None:
+    slab = np.random.default_rng(1).standard_normal((20, 5 + extra)).astype(np.float32)
+    out = np.empty((len(idx), 5), np.float32)
+    gather_rows(slab, np.array(idx, np.int64), out)
+    np.testing.assert_array_equal(out, slab[idx, :5])
 
 
 @given(st.lists(st.integers(0, 9), max_size=40), st.data())
