@@ -113,7 +113,7 @@ def idx_put(tk, tv, key, val):
     tv[i] = val
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def idx_del(tk, tv, key):
     mask = len(tk) - 1
     i = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
@@ -166,7 +166,7 @@ def _list_append(s, prev, nxt, head_tail, hi, ti):
     head_tail[ti] = s
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _lfu_new_bucket(freq, after, bfreq, bht, bprev, bnext, bfree, meta):
     meta[M_NBFREE] -= 1
     b = bfree[meta[M_NBFREE]]
@@ -188,7 +188,7 @@ def _lfu_new_bucket(freq, after, bfreq, bht, bprev, bnext, bfree, meta):
     return b
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _lfu_drop_bucket_if_empty(b, bht, bprev, bnext, bfree, meta):
     if bht[b, 0] >= 0:
         return
@@ -204,7 +204,7 @@ def _lfu_drop_bucket_if_empty(b, bht, bprev, bnext, bfree, meta):
     meta[M_NBFREE] += 1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _policy_hit(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
     if kind == LRU:
         _list_unlink(s, prev, nxt, meta, M_HEAD, M_TAIL)
@@ -222,7 +222,7 @@ def _policy_hit(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, re
         ref[s] = 1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
     """Add slot ``s``; LFU files it at frequency ``freq`` (1, or its sketch estimate with TinyLFU)."""
     if kind == LRU:
@@ -241,7 +241,7 @@ def _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, 
         ref[s] = 0
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
     if kind == LRU:
         _list_unlink(s, prev, nxt, meta, M_HEAD, M_TAIL)
@@ -253,7 +253,7 @@ def _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
         ref[s] = 0
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _policy_victim(kind, capacity, bht, ref, meta):
     if kind == LRU:
         return meta[M_HEAD]
@@ -282,7 +282,7 @@ def _sketch_prefetch(sk, key):
         prefetch_cell(sk, r, _sk_col(key, r, w))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _sketch_add(sk, key, meta):
     """Count one access of ``key`` (conservative update); returns (its estimate now, whether the sketch aged)."""
     w = sk.shape[1]
@@ -312,7 +312,7 @@ def _sketch_add(sk, key, meta):
     return est >> 1, True
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _sketch_estimate(sk, key):
     w = sk.shape[1]
     est = 255
@@ -321,7 +321,7 @@ def _sketch_estimate(sk, key):
     return est
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta):
     """Halve every bucket's frequency; buckets that meet merge (the lower old frequency's rows first)."""
     last = -1
@@ -350,7 +350,7 @@ def _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta):
         b = nb
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoch, slot_pos,
                    prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
                    out_slot, out_hit, ev_keys, ev_slots):
@@ -413,13 +413,13 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoc
     return nev, nhit, nrej
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _lookup_kernel(keys, tk, tv, out):
     for i in range(keys.shape[0]):
         out[i] = idx_get(tk, tv, keys[i])
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _remove_kernel(keys, kind, tk, tv, slot_key, free, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
                    ref, meta, out_slot):
     for i in range(keys.shape[0]):
@@ -601,7 +601,7 @@ def _count_unique_present(keys, present, check_present, bits):
     return n
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoch, slot_pos,
                      prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, hit_out):
     nb = batch_offsets.shape[0] - 1

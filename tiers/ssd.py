@@ -23,9 +23,10 @@ Why this I/O engine (pyuring 0.3.0 studied, see ``pyuring/native/uring_ctx.py``)
   submits a whole batch of fixed-size reads in one call, but it drains the
   queue to zero before the next batch (and leaves CQEs behind on an error);
   measured ~85% of fio at depth 64 on this VM.
-- Chosen: a numba ``@njit(cache=True)`` loop that calls pyuring's shipped
-  library directly. ``io_uring_get_sqe``/``io_uring_submit`` (liburing, exported
-  by ``liburingwrap.so``) and pyuring's own ``uring_wait_completion``/
+- Chosen: a numba ``@njit(cache=True, nogil=True)`` loop that calls pyuring's
+  shipped library directly (without the GIL, so a look-ahead thread waiting on
+  the disk does not stall the training thread). ``io_uring_get_sqe``/
+  ``io_uring_submit`` (liburing, exported by ``liburingwrap.so``) and pyuring's own ``uring_wait_completion``/
   ``uring_peek_completion`` are bound by address with ``llvmlite.binding.add_symbol``
   and declared as numba ``ExternalFunction`` s, so the compiled loop (and its
   on-disk cache) links to them by name. The loop fills each 64-byte SQE itself
@@ -173,7 +174,7 @@ def _as_i32_ptr(typingctx, addr):  # type: ignore[no-untyped-def]
 # ---------------------------------------------------------------------------
 # I/O kernels: one call moves a whole list of (file offset, memory address, length)
 # ---------------------------------------------------------------------------
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _uring_kernel(ring: int, fd: int, opcode: int, offs: np.ndarray, addrs: np.ndarray, lens: np.ndarray,
                   qd: int, res: np.ndarray) -> int:
     """Run every request through the ring with ``qd`` in flight; res[i] = cqe result of request i.
@@ -254,7 +255,7 @@ def _uring_kernel(ring: int, fd: int, opcode: int, offs: np.ndarray, addrs: np.n
     return fatal
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _pio_kernel(fd: int, write: bool, offs: np.ndarray, addrs: np.ndarray, lens: np.ndarray,
                 res: np.ndarray) -> int:
     """pread/pwrite fallback with the same contract as :func:`_uring_kernel`; stops at the first error."""
@@ -283,7 +284,7 @@ def _pio_kernel(fd: int, write: bool, offs: np.ndarray, addrs: np.ndarray, lens:
 # ---------------------------------------------------------------------------
 # presence bitmap kernels (packed bits, little bit order like np.packbits(bitorder="little"))
 # ---------------------------------------------------------------------------
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _bits_test(bits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     out = np.empty(ids.shape[0], np.bool_)
     for i in range(ids.shape[0]):
@@ -292,7 +293,7 @@ def _bits_test(bits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _bits_set(bits: np.ndarray, ids: np.ndarray, value: bool) -> int:
     """Set or clear the bits of ``ids``; returns how many bits changed."""
     changed = 0
@@ -310,7 +311,7 @@ def _bits_set(bits: np.ndarray, ids: np.ndarray, value: bool) -> int:
     return changed
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _block_present(bits: np.ndarray, blocks: np.ndarray, rpb: int, num_rows: int) -> np.ndarray:
     """Number of present rows in each block."""
     out = np.zeros(blocks.shape[0], np.int64)

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark scripts: skewed ids and best-of-N timing."""
+"""Shared pieces of the benchmark scripts: skewed ids, best-of-N timing, filling tables."""
 
 from __future__ import annotations
 
@@ -26,3 +26,16 @@ def best_rate(fn: Callable[[], object], items: int, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return items / best
+
+
+def import_rows(tables, seed: int = 1, chunk: int = 1 << 20) -> None:
+    """Write every physical row of ``tables`` (small random values, zero optimizer state), as after
+    ``embstore import``: a later cache miss then reads a real row from the home instead of an
+    initial value that costs no I/O."""
+    rng = np.random.default_rng(seed)
+    for table in tables:
+        n, dim, sdim = table.num_rows, table.format.dim, table.format.state_dim
+        for lo in range(0, n, chunk):
+            ids = np.arange(lo, min(n, lo + chunk), dtype=np.int64)
+            table.write_with_state(ids, rng.standard_normal((len(ids), dim), dtype=np.float32) * 0.01,
+                                   np.zeros((len(ids), sdim), np.float32))

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 import textwrap
 import time
@@ -36,20 +38,27 @@ from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, SyntheticClicks
 from embstore.training.dlrm import DLRM, dense_optimizer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import import_rows  # noqa: E402
+
 KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306,
           10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
 DIM, ROW_BYTES = 16, (16 + 1) * 4  # float32 row + rowwise-adagrad state
 
 
 def run_config(path: Path, sizes: list[int], tiers: Any, batch: int, warmup: int, steps: int,
-               lookahead: int) -> float:
-    """Samples/s of DLRM training steps after ``warmup`` untimed ones; ``tiers(i, rows)`` gives table i's tiers."""
+               lookahead: int, imported: bool = False) -> float:
+    """Samples/s of DLRM training steps after ``warmup`` untimed ones; ``tiers(i, rows)`` gives table i's tiers.
+    ``imported``: every row is written first, so misses read real rows from the ssd home."""
     tables = tuple(TableConfig.from_dict({"name": f"c{i}", "num_embeddings": n, "dim": DIM, "tiers": tiers(i, n)})
                    for i, n in enumerate(sizes))
     store = embstore.create(path, StoreConfig(tables))
     try:
         names = [t.name for t in tables]
         ebc = TieredEmbeddingBagCollection(store, names, optimizer="rowwise_adagrad", lr=0.05, lookahead=lookahead)
+        if imported:
+            import_rows(ebc.tables)
+            store.flush()
         torch.manual_seed(0)
         model = DLRM(ebc, len(names), DIM, 13, [512, 256, 64, 16], [512, 256, 1])
         opt = dense_optimizer("adagrad", model.dense_parameters(), 0.01)
@@ -153,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30, quick 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10, quick 4)")
     p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument("--imported", action="store_true",
+                   help="write every row first (as after `embstore import`), so misses read real rows from disk")
     p.add_argument("--placement", choices=("tuned", "uniform"), default="tuned",
                    help="split the DRAM budget as `embstore tune` would, or 1/10 of every table")
     p.add_argument("--precision", action="store_true", help="also compare float32/float16/int8 rows' AUC")
@@ -178,10 +189,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return ([{"kind": "dram", "capacity": rows * ROW_BYTES, "policy": policies[i]}] if rows else []) + \
                 [{"kind": "ssd"}]
         dram_bytes = sum(cache_rows) * ROW_BYTES
-        dram_rate = run_config(root / "dram", sizes, all_dram, args.batch, warmup, steps, args.lookahead)
-        ssd_rate = run_config(root / "ssd", sizes, tiered, args.batch, warmup, steps, args.lookahead)
+        dram_rate = run_config(root / "dram", sizes, all_dram, args.batch, warmup, steps, args.lookahead,
+                               args.imported)
+        ssd_rate = run_config(root / "ssd", sizes, tiered, args.batch, warmup, steps, args.lookahead, args.imported)
         result: dict[str, Any] = {
-            "rows": sum(sizes), "table_bytes": total_bytes, "placement": args.placement,
+            "rows": sum(sizes), "table_bytes": total_bytes, "placement": args.placement, "imported": args.imported,
             "dram_cache_bytes": dram_bytes, "dram_cache_share": round(dram_bytes / total_bytes, 4),
             "tables_whole_in_dram": sum(r >= n for r, n in zip(cache_rows, sizes)), "batch": args.batch, "steps": steps,
             "dram_samples_per_s": round(dram_rate), "ssd_samples_per_s": round(ssd_rate),

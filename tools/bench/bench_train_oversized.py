@@ -28,7 +28,7 @@ from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.training import TieredEmbeddingBagCollection, state_dim
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import zipf_ids  # noqa: E402
+from _common import import_rows, zipf_ids  # noqa: E402
 
 
 def home_io(ebc: TieredEmbeddingBagCollection) -> np.ndarray:
@@ -46,12 +46,7 @@ def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, bat
     store = embstore.create(path, StoreConfig(tuple(TableConfig(f"t{i}", rows, D, tiers=tiers) for i in range(T))))
     ebc = TieredEmbeddingBagCollection(store, [f"t{i}" for i in range(T)], optimizer="rowwise_adagrad", lr=0.01)
     if imported:  # every row written (as after `embstore import`): misses now read real rows from the home
-        rng = np.random.default_rng(1)
-        for table in ebc.tables:
-            for lo in range(0, rows, 1 << 18):
-                ids = np.arange(lo, min(rows, lo + (1 << 18)), dtype=np.int64)
-                table.write_with_state(ids, rng.standard_normal((len(ids), D), dtype=np.float32) * 0.01,
-                                       np.zeros((len(ids), 1), np.float32))
+        import_rows(ebc.tables)
         store.flush()
     offs = batches[0][1]
     warm = 2
