@@ -74,11 +74,10 @@ def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, e
     dim = grad_out.shape[1]
     n_uniq = slots.shape[0]
     start, order, bag = _occurrences(inv, n_uniq, offsets)
-    scratch = np.zeros((parts, dim), np.float32)
     w = np.float32(wd)
     chunk = (n_uniq + parts - 1) // parts
-    for p in numba.prange(parts):  # static partition: one scratch row per part, no thread ids needed
-        gi = np.empty(dim, np.float32)  # per part, private: LLVM may keep it out of alias checks
+    for p in numba.prange(parts):  # static partition, no thread ids needed
+        gi = np.empty(dim, np.float32)  # this part's gradient scratch row
         end = min(n_uniq, (p + 1) * chunk)
         for u in range(p * chunk, end):
             if u + PREFETCH_DISTANCE < end:
