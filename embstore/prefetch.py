@@ -11,10 +11,14 @@ of its own, so these are LLVM's ``llvm.prefetch`` intrinsic.
 from __future__ import annotations
 
 import numba
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+# The intrinsic's name carries its pointer type: opaque "p0" from LLVM 15 on, "p0i8" before.
+_INTRINSIC = "llvm.prefetch.p0" if llvm.llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
 
 PREFETCH_DISTANCE = 8  # rows ahead: 2-8 measured alike, 16 slower (bags of 20 rows, 2 threads)
 _LINE_FLOATS = 16  # float32 per 64-byte cache line
@@ -30,7 +34,7 @@ def _codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
     i8p = ir.IntType(8).as_pointer()
     i32 = ir.IntType(32)
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0")
+                                        _INTRINSIC)
     builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
     return context.get_dummy_value()
 
