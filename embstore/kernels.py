@@ -105,7 +105,7 @@ def pool_rows(rows, index, offsets, mean, out):
     """
     nb = offsets.shape[0] - 1
     dim = out.shape[1]
-    n = index.shape[0]
+    n_ids = index.shape[0]
     for b in numba.prange(nb):
         lo = offsets[b]
         hi = offsets[b + 1]
@@ -113,15 +113,15 @@ def pool_rows(rows, index, offsets, mean, out):
         for d in range(dim):
             acc[d] = 0.0
         for j in range(lo, hi):
-            if j + PREFETCH_DISTANCE < n:
+            if j + PREFETCH_DISTANCE < n_ids:
                 prefetch_row(rows, index[j + PREFETCH_DISTANCE], dim)
             r = index[j]
             for d in range(dim):
                 acc[d] += rows[r, d]
         if mean and hi > lo:
-            n = np.float32(hi - lo)
+            size = np.float32(hi - lo)
             for d in range(dim):
-                acc[d] /= n  # divide, as torch's embedding_bag does, for bit-equal means
+                acc[d] /= size  # divide, as torch's embedding_bag does, for bit-equal means
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -144,4 +144,3 @@ def pool(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray, mode: str) ->
     pool_rows(np.ascontiguousarray(rows, np.float32), np.ascontiguousarray(index, np.int64),
               np.ascontiguousarray(offsets, np.int64), mode == "mean", out)
     return out
-

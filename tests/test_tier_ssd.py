@@ -763,3 +763,14 @@ def test_forked_child_gets_its_own_ring(tmp_path: Path, engine: str) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     check_all(tier, model)  # the parent's ring is untouched
     tier.close()
+
+
+def test_disk_and_directory_kernels_release_the_gil() -> None:
+    """A look-ahead thread spends its time in these kernels (waiting on the disk, walking the cache
+    directory); holding the GIL there stalled the training thread (BENCHMARKS.md, DLRM)."""
+    from embstore import policies
+    from embstore.tiers import ssd
+
+    kernels = [ssd._uring_kernel, ssd._pio_kernel, policies._access_kernel, policies._lookup_kernel,
+               policies._remove_kernel, policies._count_unique_present]
+    assert [k.py_func.__name__ for k in kernels if not k.targetoptions.get("nogil")] == []

@@ -26,7 +26,8 @@ Why this I/O engine (pyuring 0.3.0 studied, see ``pyuring/native/uring_ctx.py``)
 - Chosen: a numba ``@njit(cache=True, nogil=True)`` loop that calls pyuring's
   shipped library directly (without the GIL, so a look-ahead thread waiting on
   the disk does not stall the training thread). ``io_uring_get_sqe``/
-  ``io_uring_submit`` (liburing, exported by ``liburingwrap.so``) and pyuring's own ``uring_wait_completion``/
+  ``io_uring_submit`` (liburing, exported by ``liburingwrap.so``) and pyuring's
+  own ``uring_wait_completion``/
   ``uring_peek_completion`` are bound by address with ``llvmlite.binding.add_symbol``
   and declared as numba ``ExternalFunction`` s, so the compiled loop (and its
   on-disk cache) links to them by name. The loop fills each 64-byte SQE itself
