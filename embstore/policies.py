@@ -583,7 +583,8 @@ class DirectDirectory:
 @numba.njit(cache=True, nogil=True)
 def _count_unique_present(keys, present, check_present, bits):
     """Distinct keys if all are present, else -1. ``bits`` (one bit per row, all zero between calls) is
-    small enough to stay in cache, unlike a per-row stamp array; the words touched are zeroed after."""
+    small enough to stay in cache, unlike a per-row stamp array. Afterwards the bitmap is zeroed whole
+    when that is the cheaper pass (a sequential memset against a second random pass over the keys)."""
     n = 0
     stop = keys.shape[0]
     for i in range(keys.shape[0]):
@@ -596,8 +597,11 @@ def _count_unique_present(keys, present, check_present, bits):
         bit = np.uint64(1) << np.uint64(k & 63)
         n += (bits[w] & bit) == 0  # branch-free: repeated ids would mispredict
         bits[w] |= bit
-    for i in range(stop):
-        bits[keys[i] >> 6] = 0
+    if stop * 16 >= bits.shape[0]:
+        bits[:] = 0
+    else:
+        for i in range(stop):
+            bits[keys[i] >> 6] = 0
     return n
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
+from embstore.arrays import HUGE_PAGE, aligned_zeros
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import gather_rows, pool, unique_inverse, unique_inverse_each, unique_last
 from embstore.tiers.base import Tier
@@ -170,3 +172,18 @@ def test_pool_matches_numpy(idx: list[int], data) -> None:
             bag = rows[idx[offsets[b]:offsets[b + 1]]]
             want = np.zeros(4, np.float32) if len(bag) == 0 else (bag.sum(0) if mode == "sum" else bag.mean(0))
             np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 7), np.uint8), ((1000, 64), np.float32), ((9000, 256), np.uint8)])
+def test_aligned_zeros_starts_on_a_line_or_huge_page(shape: tuple[int, int], dtype: type) -> None:
+    a = aligned_zeros(shape, dtype)
+    nbytes = a.nbytes
+    assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and not a.any()
+    assert a.ctypes.data % (HUGE_PAGE if nbytes >= HUGE_PAGE else 64) == 0
+    assert aligned_zeros(shape, dtype, 4096).ctypes.data % 4096 == 0
+
+
+def test_dram_slab_rows_start_on_cache_lines() -> None:
+    """A 256-byte row must span 4 cache lines, not 5 (numpy's own buffers start 16 bytes into a page)."""
+    tier = DRAMTier(256, 10_000)
+    assert tier.slab.ctypes.data % 64 == 0

@@ -236,6 +236,22 @@ def test_direct_directory_never_evicts() -> None:
     assert d.lookup(np.array([3, 4], np.int64)).tolist() == [3, -1]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3000), st.lists(st.integers(0, 10**6), min_size=0, max_size=400), st.integers(0, 3))
+def test_count_resident_counts_distinct_keys(capacity: int, raw: list[int], repeat: int) -> None:
+    """Both ways of clearing the bitmap afterwards (few keys: per key; many: whole) leave it zero,
+    so the next call counts from scratch; -1 as soon as one key is absent."""
+    d = DirectDirectory(capacity)
+    keys = np.array([k % capacity for k in raw] * (repeat + 1), np.int64)
+    assert d.count_resident(keys) == (-1 if len(keys) else 0)
+    d.access(np.arange(capacity, dtype=np.int64))
+    for _ in range(2):
+        assert d.count_resident(keys) == len(np.unique(keys))
+        assert not d._bits.any()
+    d.remove(keys[:1])
+    assert d.count_resident(keys) == (-1 if len(keys) else 0) and not d._bits.any()
+
+
 @given(st.integers(0, 2**63 - 1))
 def test_mix64_matches_python_reference(x: int) -> None:
     assert int(mix64(np.uint64(x))) == py_mix64(x)

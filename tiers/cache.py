@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embstore.arrays import Ids, Mask, RowBytes
+from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros
 from embstore.config import PolicySpec
 from embstore.policies import CacheDirectory, DirectDirectory
 from embstore.tiers.base import Tier
@@ -97,7 +97,7 @@ class DRAMTier(CacheTier):
     def __init__(self, row_bytes: int, capacity_rows: int, policy: PolicySpec | str = "lru",
                  num_rows: int | None = None) -> None:
         super().__init__(row_bytes, capacity_rows, policy, num_rows)
-        self.slab = np.zeros((self.slots, row_bytes), np.uint8)
+        self.slab = aligned_zeros((self.slots, row_bytes), np.uint8)
 
     def read_slots(self, slots: np.ndarray) -> RowBytes:
         return self.slab[slots]

@@ -76,7 +76,7 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-from embstore.arrays import Ids, Mask, RowBytes, as_ids
+from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids
 from embstore.errors import (CorruptStoreError, IdOutOfRangeError, InvalidRowsError, StoreClosedError,
                              TierIOError, tier_io_error)
 from embstore.tiers.base import Tier
@@ -327,13 +327,6 @@ def _block_present(bits: np.ndarray, blocks: np.ndarray, rpb: int, num_rows: int
 
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
-
-
-def _aligned_empty(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer (O_DIRECT needs aligned memory)."""
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    start = (-raw.ctypes.data) % PAGE
-    return raw[start:start + nbytes]
 
 
 def _runs(blocks: np.ndarray, positions: np.ndarray, max_blocks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -629,7 +622,7 @@ class SSDTier(Tier):
         """The tier's reusable page-aligned block buffer, as (nblocks, block_bytes)."""
         need = nblocks * self.block_bytes
         if self._buf is None or len(self._buf) < need:
-            self._buf = _aligned_empty(max(need, PAGE))
+            self._buf = aligned_zeros((max(need, PAGE),), np.uint8, PAGE)  # O_DIRECT needs aligned memory
         return self._buf[:need].reshape(nblocks, self.block_bytes)
 
     def _slots(self, view: np.ndarray) -> np.ndarray:

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
         for dist in ("uniform", "zipf"):
             ids = [rng.integers(0, rows, n) if dist == "uniform" else zipf_ids(rng, n, rows, 1.05)
                    for _ in range(args.tables)]
-            tw = [torch.from_numpy(w) for w in weights]
+            tw = [torch.from_numpy(w).clone() for w in weights]  # torch's own (64-byte aligned) allocation
             tids = [torch.from_numpy(x) for x in ids]
             toffs = torch.from_numpy(offsets[:-1])
             tables = [store[f"t{i}"] for i in range(args.tables)]
