@@ -7,15 +7,48 @@ per-batch dedup does), so the store and ``replay`` see the same sequence.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import threading
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numba
 import numpy as np
 
 from embstore.policies import mix64
 from embstore.prefetch import PREFETCH_DISTANCE, prefetch_row
+
+
+PARALLEL_MIN_ITEMS = 16_384
+"""Below this many ids per call a kernel runs on the calling thread alone.
+
+Waking the other threads costs more than such a small slice of work, and on a
+machine with as many cores as torch has threads it also steals time from
+torch's own parallel regions. DLRM's 26 tables of 2,048 ids a step:
+fused update 3.5-4.7 -> 1.5 ms, pooling 3.3-4.9 -> 1.5 ms and dedup
+1.2-1.5 -> 0.6 ms per step (BENCHMARKS.md).
+"""
+
+
+def threads_for(items: int) -> int:
+    """Threads a parallel kernel over ``items`` ids should use."""
+    return numba.get_num_threads() if items >= PARALLEL_MIN_ITEMS else 1
+
+
+@contextlib.contextmanager
+def kernel_threads(items: int) -> Iterator[int]:
+    """Parallel numba kernels launched inside use ``threads_for(items)`` threads (restored after;
+    the setting is per calling thread and does not touch torch's)."""
+    prev = numba.get_num_threads()
+    n = threads_for(items)
+    if n == prev:
+        yield n
+        return
+    numba.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        numba.set_num_threads(prev)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -71,7 +104,7 @@ def unique_inverse_each(arrays: Sequence[np.ndarray]) -> list[tuple[np.ndarray, 
     halves its share of a step on two cores.
     """
     global _threads
-    if len(arrays) < 2 or numba.get_num_threads() < 2:
+    if len(arrays) < 2 or threads_for(sum(len(a) for a in arrays) // len(arrays)) < 2:
         return [unique_inverse(a) for a in arrays]
     with _threads_lock:
         if _threads is None:
@@ -95,8 +128,21 @@ def _unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return uniq[:nu], inverse, first[:nu]
 
 
+def pool_rows(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray, mean: bool, out: np.ndarray) -> None:
+    """out[b] = sum (or mean) of rows[index[offsets[b]:offsets[b+1]], :out.shape[1]] (see ``_pool_rows``),
+    on as many threads as the number of ids warrants."""
+    with kernel_threads(index.shape[0]):
+        _pool_rows(rows, index, offsets, mean, out)
+
+
+def gather_rows(slab: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = slab[index[i], :out.shape[1]] (see ``_gather_rows``), threads as for ``pool_rows``."""
+    with kernel_threads(index.shape[0]):
+        _gather_rows(slab, index, out)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
-def pool_rows(rows, index, offsets, mean, out):
+def _pool_rows(rows, index, offsets, mean, out):
     """out[b] = sum (or mean) of rows[index[offsets[b]:offsets[b+1]], :out.shape[1]].
 
     ``rows`` may be wider than ``out`` (a slab whose rows carry optimizer state
@@ -125,7 +171,7 @@ def pool_rows(rows, index, offsets, mean, out):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def gather_rows(slab, index, out):
+def _gather_rows(slab, index, out):
     """out[i] = slab[index[i], :out.shape[1]]: the embedding part of slab rows that carry optimizer state
     (``np.take`` on such a strided view falls back to a slow path)."""
     dim = out.shape[1]

@@ -24,6 +24,7 @@ import numpy as np
 
 from embstore.arrays import Ids, RowBytes, Rows
 from embstore.config import InitConfig, InitKind, RowDType
+from embstore.kernels import kernel_threads
 
 
 @dataclass(frozen=True)
@@ -150,5 +151,7 @@ def initial_rows(init: InitConfig, ids: Ids, dim: int) -> Rows:
     if init.kind is InitKind.ZEROS or len(ids) == 0:
         return out
     kind = 0 if init.kind is InitKind.UNIFORM else 1
-    _init_kernel(np.ascontiguousarray(ids, dtype=np.int64), np.uint64(init.seed), dim, kind, np.float32(init.scale), out)
+    with kernel_threads(len(ids)):
+        _init_kernel(np.ascontiguousarray(ids, dtype=np.int64), np.uint64(init.seed), dim, kind,
+                     np.float32(init.scale), out)
     return out

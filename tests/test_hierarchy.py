@@ -10,6 +10,7 @@ from embstore.arrays import HUGE_PAGE, aligned_zeros
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import gather_rows, pool, unique_inverse, unique_inverse_each, unique_last
 from embstore.tiers.base import Tier
+from kernel_threads import kernel_path
 from embstore.tiers.cache import DeviceTier, DRAMTier
 
 ROW = 8
@@ -120,10 +121,12 @@ def test_unique_inverse_and_last(ids: list[int]) -> None:
         assert arr[pos] == k and k not in ids[pos + 1:]
 
 
-@given(st.lists(st.lists(st.integers(-3, 40), max_size=30), max_size=6))
-def test_unique_inverse_each_equals_one_at_a_time(arrays: list[list[int]]) -> None:
+@given(st.lists(st.lists(st.integers(-3, 40), max_size=30), max_size=6), st.booleans())
+def test_unique_inverse_each_equals_one_at_a_time(arrays: list[list[int]], parallel: bool) -> None:
     arrs = [np.array(a, np.int64) for a in arrays]
-    for (u, inv), a in zip(unique_inverse_each(arrs), arrs, strict=True):
+    with kernel_path(parallel):
+        each = unique_inverse_each(arrs)
+    for (u, inv), a in zip(each, arrs, strict=True):
         u1, inv1 = unique_inverse(a)
         np.testing.assert_array_equal(u, u1)
         np.testing.assert_array_equal(inv, inv1)
@@ -134,11 +137,12 @@ def test_unique_inverse_each_works_in_a_forked_child() -> None:
     import os
 
     arrs = [np.arange(100, dtype=np.int64) % 7 for _ in range(4)]
-    unique_inverse_each(arrs)  # the parent's pool exists now
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        ok = all(len(u) == 7 for u, _ in unique_inverse_each(arrs))
-        os._exit(0 if ok else 1)
+    with kernel_path(parallel=True):
+        unique_inverse_each(arrs)  # the parent's pool exists now
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            ok = all(len(u) == 7 for u, _ in unique_inverse_each(arrs))
+            os._exit(0 if ok else 1)
     deadline = 30
     import time
 
@@ -153,21 +157,23 @@ def test_unique_inverse_each_works_in_a_forked_child() -> None:
     raise AssertionError("unique_inverse_each hung in a forked child")
 
 
-@given(st.lists(st.integers(0, 19), max_size=60), st.integers(1, 6))
-def test_gather_rows_reads_the_leading_columns(idx: list[int], extra: int) -> None:
+@given(st.lists(st.integers(0, 19), max_size=60), st.integers(1, 6), st.booleans())
+def test_gather_rows_reads_the_leading_columns(idx: list[int], extra: int, parallel: bool) -> None:
     slab = np.random.default_rng(1).standard_normal((20, 5 + extra)).astype(np.float32)
     out = np.empty((len(idx), 5), np.float32)
-    gather_rows(slab, np.array(idx, np.int64), out)
+    with kernel_path(parallel):
+        gather_rows(slab, np.array(idx, np.int64), out)
     np.testing.assert_array_equal(out, slab[idx, :5])
 
 
-@given(st.lists(st.integers(0, 9), max_size=40), st.data())
-def test_pool_matches_numpy(idx: list[int], data) -> None:
+@given(st.lists(st.integers(0, 9), max_size=40), st.data(), st.booleans())
+def test_pool_matches_numpy(idx: list[int], data, parallel: bool) -> None:
     rows = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(idx)), max_size=5)))
     offsets = np.array([0, *cuts, len(idx)], np.int64)
     for mode in ("sum", "mean"):
-        got = pool(rows, np.array(idx, np.int64), offsets, mode)
+        with kernel_path(parallel):
+            got = pool(rows, np.array(idx, np.int64), offsets, mode)
         for b in range(len(offsets) - 1):
             bag = rows[idx[offsets[b]:offsets[b + 1]]]
             want = np.zeros(4, np.float32) if len(bag) == 0 else (bag.sum(0) if mode == "sum" else bag.mean(0))
@@ -187,3 +193,23 @@ def test_dram_slab_rows_start_on_cache_lines() -> None:
     """A 256-byte row must span 4 cache lines, not 5 (numpy's own buffers start 16 bytes into a page)."""
     tier = DRAMTier(256, 10_000)
     assert tier.slab.ctypes.data % 64 == 0
+
+
+def test_kernel_threads_by_work_size() -> None:
+    """Small calls run on the calling thread; large ones on all of numba's; the setting is restored."""
+    import numba
+
+    from embstore import kernels
+
+    full = numba.get_num_threads()
+    with kernels.kernel_threads(kernels.PARALLEL_MIN_ITEMS - 1) as n:
+        assert n == 1 and numba.get_num_threads() == 1
+    assert numba.get_num_threads() == full
+    with kernels.kernel_threads(kernels.PARALLEL_MIN_ITEMS) as n:
+        assert n == full == numba.get_num_threads()
+    try:
+        with kernels.kernel_threads(0):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert numba.get_num_threads() == full

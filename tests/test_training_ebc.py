@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import embstore
+from kernel_threads import kernel_path
 from embstore.training import KeyedJaggedBatch, TieredEmbeddingBagCollection, state_dim
 from embstore.training.testing import (TorchReference, initial_weights, loss_of, make_store, random_batches,
                                        rel_err)
@@ -63,9 +64,11 @@ def check_equivalent(tmp_path, optimizer: str, lr: float, adam_step: str, tiers:
     return ebc
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-thread", "parallel"])
 @pytest.mark.parametrize("optimizer,lr,adam_step", CASES)
-def test_resident_training_matches_torch(tmp_path, optimizer, lr, adam_step) -> None:
-    ebc = check_equivalent(tmp_path, optimizer, lr, adam_step, RESIDENT, None)
+def test_resident_training_matches_torch(tmp_path, optimizer, lr, adam_step, parallel) -> None:
+    with kernel_path(parallel):
+        ebc = check_equivalent(tmp_path, optimizer, lr, adam_step, RESIDENT, None)
     assert ebc.steps == 20
 
 
@@ -80,6 +83,12 @@ def test_oversized_training_matches_torch(tmp_path, optimizer, lr, adam_step, lo
     ebc = check_equivalent(tmp_path, optimizer, lr, adam_step, oversized_tiers(optimizer), lookahead)
     if lookahead:
         assert ebc.counters["demand_misses"] == 0
+
+
+@pytest.mark.parametrize("optimizer,lr,adam_step", CASES[:2])
+def test_oversized_training_on_parallel_kernels(tmp_path, optimizer, lr, adam_step) -> None:
+    with kernel_path(parallel=True):
+        check_equivalent(tmp_path, optimizer, lr, adam_step, oversized_tiers(optimizer), 3)
 
 
 def test_oversized_adam_with_lookahead(tmp_path) -> None:

@@ -29,14 +29,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from embstore.errors import IdOutOfRangeError, InvalidInputError
-from embstore.kernels import pool_rows, unique_inverse_each
+from embstore.kernels import kernel_threads, pool_rows, unique_inverse_each
 from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import DEFAULT_EPS, OptimConfig, apply_update, check_optimizer, state_dim
@@ -422,13 +421,14 @@ class TieredEmbeddingBagCollection(nn.Module):
                     o = self.optim
                     gstep = self.steps + 1 if o.adam_step == "global" else 0
                     rows = ws.flat if isinstance(ws, ResidentWorkingSet) else ws.rows.numpy()
-                    if bag_grad:
-                        fused_bag_step(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], batch.inv[t],
-                                       batch.offsets[t], grad.numpy(), self.pooling == "mean", o.lr, o.eps,
-                                       o.beta1, o.beta2, o.weight_decay, gstep, numba.get_num_threads())
-                    else:
-                        step_rows(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], grad.numpy(),
-                                  o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep, numba.get_num_threads())
+                    with kernel_threads(len(batch.inv[t])) as parts:
+                        if bag_grad:
+                            fused_bag_step(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], batch.inv[t],
+                                           batch.offsets[t], grad.numpy(), self.pooling == "mean", o.lr, o.eps,
+                                           o.beta1, o.beta2, o.weight_decay, gstep, parts)
+                        else:
+                            step_rows(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], grad.numpy(),
+                                      o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep, parts)
                 else:
                     idx = torch.from_numpy(batch.slots[t]).to(ws.device)
                     w = ws.rows[idx]
