@@ -15,7 +15,8 @@ splits the budget between the tables as ``embstore tune`` does, on a trace of
 the same click distribution drawn with another seed (tables it gives every row
 they use are held whole, so they train in place); ``uniform`` gives each table
 1/10 of its own rows. The two runs alternate ``--rounds`` times; prints every
-run's samples/s and the ratio of the best of each (goal >= 0.7).
+run's samples/s, each round's ratio and the ratio of the best of each
+(goal >= 0.7).
 ``--precision`` also trains a small synthetic model with float32, float16 and
 int8 rows and prints the held-out AUC of each (the precision's AUC cost).
 """
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "tables_whole_in_dram": sum(r >= n for r, n in zip(cache_rows, sizes)), "batch": args.batch, "steps": steps,
             "rounds": args.rounds, "dram_runs": [round(x) for x in runs["dram"]],
             "ssd_runs": [round(x) for x in runs["ssd"]],
+            "round_ratios": [round(s / d, 3) for s, d in zip(runs["ssd"], runs["dram"])],
             "dram_samples_per_s": round(dram_rate), "ssd_samples_per_s": round(ssd_rate),
             "ratio_ssd_over_dram": round(ssd_rate / dram_rate, 3), "goal": 0.7}
         if args.precision:
