@@ -23,8 +23,9 @@ def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, par
 
     ``rows`` may be wider than the gradient (a contiguous slab with the state
     after the embedding); only its first ``g.shape[1]`` columns are updated.
-    ``parts``: how many slices run in parallel (``numba.get_num_threads()``;
-    passed in because calling it inside a kernel defeats numba's cache).
+    ``parts``: how many slices run in parallel (the thread count
+    ``embstore.kernels.kernel_threads`` set for the call; passed in because
+    asking numba inside a kernel defeats its cache).
     """
     dim = g.shape[1]
     scratch = np.zeros((parts, dim), np.float32)
