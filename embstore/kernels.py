@@ -101,7 +101,9 @@ def unique_inverse_each(arrays: Sequence[np.ndarray]) -> list[tuple[np.ndarray, 
 
     The dedup is a serial hash-table pass; a training step needs it for every
     table, so doing the tables side by side (the kernel releases the GIL)
-    halves its share of a step on two cores.
+    halves its share of a step on two cores. Arrays shorter than
+    ``PARALLEL_MIN_ITEMS`` on average are done one after another on the
+    calling thread: handing them to the pool costs more than the pass.
     """
     global _threads
     if len(arrays) < 2 or threads_for(sum(len(a) for a in arrays) // len(arrays)) < 2:
