@@ -130,8 +130,9 @@ class TierConfig:
     block_cache: int = 64 << 20  # rocksdb block cache bytes
     write_buffer: int = 64 << 20  # rocksdb memtable bytes
     compression: str = "none"  # rocksdb: none | lz4 | zstd | snappy
+    layout: str = "in_place"  # ssd: "in_place" (rows at fixed slots) | "log" (writes append; tiers/ssd_log.py)
 
-    _ALLOWED = {"kind", "capacity", "policy", "queue_depth", "block_cache", "write_buffer", "compression"}
+    _ALLOWED = {"kind", "capacity", "policy", "queue_depth", "block_cache", "write_buffer", "compression", "layout"}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _enum(TierKind, self.kind, "tiers.kind"))
@@ -146,6 +147,10 @@ class TierConfig:
             object.__setattr__(self, key, parse_bytes(getattr(self, key), f"tiers.{key}"))
         if self.compression not in ("none", "lz4", "zstd", "snappy"):
             raise ConfigError("tiers.compression", f"{self.compression!r} is not one of 'none', 'lz4', 'zstd', 'snappy'")
+        if self.layout not in ("in_place", "log"):
+            raise ConfigError("tiers.layout", f"{self.layout!r} is not one of 'in_place', 'log'")
+        if self.layout != "in_place" and self.kind is not TierKind.SSD:
+            raise ConfigError("tiers.layout", f"only an ssd tier has a layout, not {self.kind.value!r}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TierConfig":
@@ -163,6 +168,7 @@ class TierConfig:
             out["policy"] = str(self.policy)
         if self.kind is TierKind.SSD:
             out["queue_depth"] = self.queue_depth
+            out["layout"] = self.layout
         if self.kind is TierKind.ROCKSDB:
             out.update(block_cache=self.block_cache, write_buffer=self.write_buffer, compression=self.compression)
         return out

@@ -17,7 +17,9 @@ for each budget on the same curves, and a DRAM cache not larger than the
 device cache is dropped.
 
 Home: ``rocksdb`` when the id space is sparse (largest id >= 2**32, or fewer
-than 1 in 1000 of the ids up to the largest are used), else ``ssd``.
+than 1 in 1000 of the ids up to the largest are used), else ``ssd``, in its
+``log`` layout when the caches hold only part of the table (evictions then
+append instead of rewriting their blocks).
 """
 
 from __future__ import annotations
@@ -77,10 +79,16 @@ class TuneResult:
                 tiers.append(TierConfig("device", p.device_rows * self.row_bytes, p.device_policy))
             if p.dram_rows:
                 tiers.append(TierConfig("dram", p.dram_rows * self.row_bytes, p.dram_policy))
-            tiers.append(TierConfig(p.home))
+            tiers.append(TierConfig(p.home, layout=self.ssd_layout(p)) if p.home == "ssd" else TierConfig(p.home))
             out.append(TableConfig(name=p.name, num_embeddings=max(1, p.max_id + 1), dim=self.dim,
                                    dtype=self.dtype, tiers=tuple(tiers)))
         return StoreConfig(tuple(out))
+
+    def ssd_layout(self, p: TablePlan) -> str:
+        """``log`` where the caches hold part of the table and several rows share a 4 KiB block: there
+        every eviction writes a small row back, which in place is a read-modify-write of its block."""
+        partial = max(p.device_rows, p.dram_rows) < p.max_id + 1
+        return "log" if partial and self.row_bytes <= 2048 else "in_place"
 
     def used_bytes(self) -> tuple[int, int]:
         """(device bytes, DRAM bytes) of the caches chosen."""

@@ -22,6 +22,7 @@ import pytest
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.rows import initial_rows
+from homes import home_tier
 
 ROWS, DIM, PER_STEP = 20_000, 16, 40
 
@@ -45,7 +46,7 @@ def expected_row(step: int, i: int) -> np.ndarray:
 
 
 def run_trial(tmp: Path, home: str, rng: random.Random) -> None:
-    cfg = TableConfig("t", ROWS, DIM, tiers=(TierConfig("dram", 300 * DIM * 4, "lru"), TierConfig(home)))
+    cfg = TableConfig("t", ROWS, DIM, tiers=(TierConfig("dram", 300 * DIM * 4, "lru"), home_tier(home)))
     embstore.create(tmp / "s", StoreConfig((cfg,))).close()
     code = CHILD.format(per=PER_STEP, rows=ROWS, dim=DIM)
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp / "s")], stdout=subprocess.PIPE, text=True)
@@ -75,7 +76,7 @@ def run_trial(tmp: Path, home: str, rng: random.Random) -> None:
             np.testing.assert_array_equal(got[i], expected_row(i // PER_STEP, i), err_msg=f"row {i} torn")
 
 
-@pytest.mark.parametrize("home", ["ssd", "rocksdb", "mmap"])
+@pytest.mark.parametrize("home", ["ssd", "ssd-log", "rocksdb", "mmap"])
 def test_crash_keeps_flushed_rows(home: str, tmp_path) -> None:
     rng = random.Random(home)
     for trial in range(3):
@@ -83,7 +84,7 @@ def test_crash_keeps_flushed_rows(home: str, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("home", ["ssd", "rocksdb", "mmap"])
+@pytest.mark.parametrize("home", ["ssd", "ssd-log", "rocksdb", "mmap"])
 def test_crash_keeps_flushed_rows_20_trials(home: str, tmp_path) -> None:
     rng = random.Random(home + "slow")
     for trial in range(20):

@@ -8,14 +8,15 @@ import pytest
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from faultfs import needs_mount
+from homes import home_tier, tier_kind
 
 DIM = 64
 
 
 @needs_mount
-@pytest.mark.parametrize("home", ["ssd", "rocksdb"])
+@pytest.mark.parametrize("home", ["ssd", "ssd-log", "rocksdb"])
 def test_disk_full_is_typed_and_store_reopens_at_last_flush(tiny_tmpfs, home: str) -> None:
-    cfg = TableConfig("t", 200_000, DIM, tiers=(TierConfig("dram", 64 * DIM * 4, "lru"), TierConfig(home)))
+    cfg = TableConfig("t", 200_000, DIM, tiers=(TierConfig("dram", 64 * DIM * 4, "lru"), home_tier(home)))
     path = tiny_tmpfs.path / "s"
     store = embstore.create(path, StoreConfig((cfg,)))
     table = store["t"]
@@ -31,7 +32,7 @@ def test_disk_full_is_typed_and_store_reopens_at_last_flush(tiny_tmpfs, home: st
             break
         flushed.update(dict.fromkeys(ids.tolist(), float(step + 1)))
     assert isinstance(error, embstore.DiskFullError), error
-    assert error.tier == home and "ENOSPC" in str(error)
+    assert error.tier == tier_kind(home) and "ENOSPC" in str(error)
     try:
         store.close()
     except embstore.TierIOError:

@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.rows import initial_rows
+from homes import home_tier
 
 DIM = 4
 ROWS = 40
@@ -28,7 +29,7 @@ ROWS = 40
 def three_tier(home: str, policy0: str = "lru", policy1: str = "lfu") -> TableConfig:
     row = DIM * 4
     return TableConfig("t", ROWS, DIM, tiers=(TierConfig("device", 3 * row, policy0),
-                                              TierConfig("dram", 7 * row, policy1), TierConfig(home)))
+                                              TierConfig("dram", 7 * row, policy1), home_tier(home)))
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -112,10 +113,15 @@ class MmapStoreMachine(StoreMachine):
     home = "mmap"
 
 
+class LogSSDStoreMachine(StoreMachine):
+    home = "ssd-log"  # every write appends; the cleaner runs once the 64 spare blocks are used
+
+
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
 TestSSDStore = StoreMachine.TestCase
 TestSSDStore.settings = SETTINGS
 TestRocksDBStore = RocksDBStoreMachine.TestCase
 TestRocksDBStore.settings = SETTINGS
 TestMmapStore = MmapStoreMachine.TestCase
+TestLogSSDStore = LogSSDStoreMachine.TestCase
 TestMmapStore.settings = SETTINGS

@@ -39,6 +39,9 @@ def test_tune_respects_budget_and_loads(trace_path, tmp_path):
     for t, p in zip(cfg.tables, res.tables):
         assert t.tiers[-1].kind.value == "ssd"
         assert sum(x.capacity for x in t.tiers[:-1] if x.kind.value == "dram") == p.dram_rows * 64
+        whole = max(p.device_rows, p.dram_rows) >= t.num_embeddings  # nothing is ever evicted
+        assert t.tiers[-1].layout == ("in_place" if whole else "log")
+    assert any(t.tiers[-1].layout == "log" for t in cfg.tables)
     tot = res.totals()
     assert 0 <= tot["cache_hit_ratio"] <= 1
 

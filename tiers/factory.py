@@ -36,8 +36,10 @@ def build_home(tier: TierConfig, row_bytes: int, num_rows: int, directory: Path)
     home_dir = directory / "home"
     if tier.kind is TierKind.SSD:
         from embstore.tiers.ssd import SSDTier
+        from embstore.tiers.ssd_log import LogSSDTier
 
-        return SSDTier(home_dir, num_rows, row_bytes, queue_depth=tier.queue_depth)
+        cls = LogSSDTier if tier.layout == "log" else SSDTier
+        return cls(home_dir, num_rows, row_bytes, queue_depth=tier.queue_depth)
     if tier.kind is TierKind.ROCKSDB:
         from embstore.tiers.rocksdb import RocksDBTier
 

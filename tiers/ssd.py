@@ -85,6 +85,7 @@ log = logging.getLogger(__name__)
 
 SLAB_FILE = "rows.slab"
 BITMAP_FILE = "present.bin"
+LOG_MAP_FILE = "slots.bin"  # the log layout's slot map (tiers/ssd_log.py)
 PAGE = 4096
 RUN_BYTES = 1 << 20  # largest single request when adjacent blocks are merged
 CHUNK_BYTES = 16 << 20  # block buffer per round; bounds memory of huge batches
@@ -467,6 +468,7 @@ class SSDTier(Tier):
     kind = "ssd"
     persistent = True
     supports_delete = True
+    _commit_file = BITMAP_FILE  # written last at creation: its presence means the tier exists
 
     def __init__(self, directory: str | os.PathLike[str], num_rows: int, row_bytes: int,
                  queue_depth: int = 64, *, use_io_uring: bool | None = None) -> None:
@@ -484,7 +486,7 @@ class SSDTier(Tier):
         else:
             self.rows_per_block = 1
             self.block_bytes = -(-self.row_bytes // PAGE) * PAGE
-        self.num_blocks = -(-self.num_rows // self.rows_per_block)
+        self.num_blocks = self._slab_blocks(-(-self.num_rows // self.rows_per_block))
         self.slab_bytes = self.num_blocks * self.block_bytes
         self._chunk_blocks = max(1, CHUNK_BYTES // self.block_bytes)
         self._run_blocks = max(1, RUN_BYTES // self.block_bytes)
@@ -501,14 +503,7 @@ class SSDTier(Tier):
             use_io_uring = os.environ.get(NO_IO_URING_ENV, "") in ("", "0")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            if (self.path / BITMAP_FILE).exists():
-                self._bits, self._resident = self._load_bitmap()
-                self._open_slab(create=False)
-            else:
-                self._open_slab(create=True)
-                self._bits = np.zeros((self.num_rows + 7) // 8, dtype=np.uint8)
-                self._resident = 0
-                self._write_bitmap()
+            self._open_files()
             self._engine = _Engine(self._fd, self.queue_depth, use_io_uring)
         except TierIOError:
             self._release()
@@ -521,13 +516,31 @@ class SSDTier(Tier):
             raise
 
     # -- files -----------------------------------------------------------------
+    def _slab_blocks(self, row_blocks: int) -> int:
+        """Blocks in the slab, given the blocks the rows fill (the log layout adds spare blocks)."""
+        return row_blocks
+
+    def _open_files(self) -> None:
+        """Open the slab and the presence bitmap, creating both on first open."""
+        if (self.path / LOG_MAP_FILE).exists():
+            raise CorruptStoreError(f"ssd tier: {self.path} holds a log-layout tier ({LOG_MAP_FILE}); "
+                                    f"open it with layout = \"log\"")
+        if (self.path / BITMAP_FILE).exists():
+            self._bits, self._resident = self._load_bitmap()
+            self._open_slab(create=False)
+        else:
+            self._open_slab(create=True)
+            self._bits = np.zeros((self.num_rows + 7) // 8, dtype=np.uint8)
+            self._resident = 0
+            self._write_index()
+
     def _open_slab(self, create: bool) -> None:
         path = self.path / SLAB_FILE
         flags = os.O_RDWR | os.O_CLOEXEC
         if create:
             flags |= os.O_CREAT
         elif not path.exists():
-            raise CorruptStoreError(f"ssd tier: {path} is missing while {self.path / BITMAP_FILE} exists")
+            raise CorruptStoreError(f"ssd tier: {path} is missing while {self.path / self._commit_file} exists")
         try:
             self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
             self.direct = True
@@ -578,19 +591,22 @@ class SSDTier(Tier):
             raise CorruptStoreError(f"ssd tier: {path} counts {resident} rows but marks {count}")
         return bits, count
 
-    def _write_bitmap(self) -> None:
-        """Atomically replace present.bin: temp file, fsync, os.replace, fsync the directory."""
+    def _write_index(self) -> None:
         body = self._bits.tobytes()
         crc = zlib.crc32(body, zlib.crc32(self._header(self._resident, 0)))
-        header = self._header(self._resident, crc)
-        final = self.path / BITMAP_FILE
-        tmp = self.path / (BITMAP_FILE + ".tmp")
+        self._replace_file(BITMAP_FILE, (self._header(self._resident, crc), body))
+
+    def _replace_file(self, name: str, parts: tuple[bytes | memoryview, ...]) -> None:
+        """Atomically replace ``name``: temp file, fsync, os.replace, fsync the directory."""
+        final = self.path / name
+        tmp = self.path / (name + ".tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                view = memoryview(header + body)
-                while view:
-                    view = view[os.write(fd, view):]
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
                 _fsync(fd)
             finally:
                 os.close(fd)
@@ -617,6 +633,12 @@ class SSDTier(Tier):
                 bad = lo if lo < 0 else hi
                 raise IdOutOfRangeError(f"id {bad} is outside [0, {self.num_rows}) of the ssd tier")
         return arr
+
+    def _check_rows(self, ids: Ids, rows: Any) -> None:
+        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.shape != (len(ids), self.row_bytes):
+            shape = getattr(rows, "shape", None)
+            raise InvalidRowsError(f"ssd tier expects uint8 rows of shape ({len(ids)}, {self.row_bytes}), "
+                                   f"got {getattr(rows, 'dtype', type(rows).__name__)} {shape}")
 
     def _buffer(self, nblocks: int) -> np.ndarray:
         """The tier's reusable page-aligned block buffer, as (nblocks, block_bytes)."""
@@ -649,17 +671,21 @@ class SSDTier(Tier):
             ids = self._ids(ids)
             n = len(ids)
             out = np.zeros((n, self.row_bytes), dtype=np.uint8)
-            found = _bits_test(self._bits, ids) if n else np.zeros(0, np.bool_)
+            slots, found = self._locate(ids)
             sel = np.flatnonzero(found)
             hits = len(sel)
             if hits:
-                self._read_rows(ids[sel], sel, out)
+                self._read_rows(slots[sel], sel, out)
             self.counters.hits += hits
             self.counters.misses += n - hits
             return out, found
 
+    def _locate(self, ids: Ids) -> tuple[np.ndarray, Mask]:
+        """(slab slot of each id, found); in place, a row's slot is its id."""
+        return ids, _bits_test(self._bits, ids) if len(ids) else np.zeros(0, np.bool_)
+
     def _read_rows(self, rid: np.ndarray, sel: np.ndarray, out: np.ndarray) -> None:
-        """out[sel] = rows ``rid`` (present): read their distinct blocks, gather the rows out."""
+        """out[sel] = the rows in slots ``rid``: read their distinct blocks, gather the rows out."""
         blk = rid // self.rows_per_block
         ublk, inv = np.unique(blk, return_inverse=True)
         slot = rid - blk * self.rows_per_block
@@ -682,26 +708,25 @@ class SSDTier(Tier):
         with self._lock:
             self._check_open()
             ids = self._ids(ids)
-            if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.shape != (len(ids),
-                                                                                                self.row_bytes):
-                shape = getattr(rows, "shape", None)
-                raise InvalidRowsError(f"ssd tier expects uint8 rows of shape ({len(ids)}, {self.row_bytes}), "
-                                       f"got {getattr(rows, 'dtype', type(rows).__name__)} {shape}")
-            if len(ids) == 0:
-                return
-            rpb = self.rows_per_block
-            blk = ids // rpb
-            order = np.argsort(blk, kind="stable")
-            ids, blk, rows = ids[order], blk[order], rows[order]
-            ublk, first, counts = np.unique(blk, return_index=True, return_counts=True)
-            slot = ids - blk * rpb
-            c = self._chunk_blocks
-            for c0 in range(0, len(ublk), c):
-                chunk = ublk[c0:c0 + c]
-                lo = first[c0]
-                hi = first[c0 + len(chunk)] if c0 + len(chunk) < len(ublk) else len(ids)
-                self._put_chunk(chunk, counts[c0:c0 + len(chunk)], ids[lo:hi], slot[lo:hi],
-                                blk[lo:hi], rows[lo:hi])
+            self._check_rows(ids, rows)
+            if len(ids):
+                self._write(ids, rows)
+
+    def _write(self, ids: Ids, rows: RowBytes) -> None:
+        """Write rows into their own slots, block by block (read-modify-write where a block keeps others)."""
+        rpb = self.rows_per_block
+        blk = ids // rpb
+        order = np.argsort(blk, kind="stable")
+        ids, blk, rows = ids[order], blk[order], rows[order]
+        ublk, first, counts = np.unique(blk, return_index=True, return_counts=True)
+        slot = ids - blk * rpb
+        c = self._chunk_blocks
+        for c0 in range(0, len(ublk), c):
+            chunk = ublk[c0:c0 + c]
+            lo = first[c0]
+            hi = first[c0 + len(chunk)] if c0 + len(chunk) < len(ublk) else len(ids)
+            self._put_chunk(chunk, counts[c0:c0 + len(chunk)], ids[lo:hi], slot[lo:hi],
+                            blk[lo:hi], rows[lo:hi])
 
     def _put_chunk(self, chunk: np.ndarray, counts: np.ndarray, ids: np.ndarray, slot: np.ndarray,
                    blk: np.ndarray, rows: np.ndarray) -> None:
@@ -732,8 +757,7 @@ class SSDTier(Tier):
     def contains(self, ids: Ids) -> Mask:
         with self._lock:
             self._check_open()
-            ids = self._ids(ids)
-            return _bits_test(self._bits, ids) if len(ids) else np.zeros(0, np.bool_)
+            return self._locate(self._ids(ids))[1]
 
     def delete(self, ids: Ids) -> None:
         """Mark rows absent (durable at the next flush); their bytes stay in the slab, unread."""
@@ -752,7 +776,7 @@ class SSDTier(Tier):
                     _fdatasync(self._fd)
                     self._dirty_slab = False
                 if self._dirty_bits:
-                    self._write_bitmap()
+                    self._write_index()
                     self._dirty_bits = False
             except OSError as exc:
                 raise tier_io_error("ssd", "flush", exc) from exc

@@ -8,7 +8,11 @@ bounds them), bottom MLP 13-512-256-64-16, top MLP 512-256-1, batch 2048,
 rowwise Adagrad, synthetic Zipf(1.05) ids. Baseline: every table fully cached
 in a DRAM tier over an mmap home. Tiered: DRAM caches holding 1/10 of all the
 rows' bytes (row + optimizer state) in total, over ``ssd`` (io_uring) homes,
-look-ahead ``--lookahead`` batches. Every row is written first, as after
+look-ahead ``--lookahead`` batches. The ssd homes of the tables cached in
+part use the log layout (``--layout``): written-back rows are appended to free
+blocks, so an eviction costs no read-modify-write; its slot map (4 bytes per
+row) is DRAM beyond the cache budget, and the output reports it. Every row is
+written first, as after
 ``embstore import`` (``--cold`` starts from fresh tables instead, whose misses
 cost no I/O until rows are written back). ``--placement tuned`` (default)
 splits the budget between the tables as ``embstore tune`` does, on a trace of
@@ -17,7 +21,9 @@ they use are held whole, so they train in place); ``uniform`` gives each table
 1/10 of its own rows. Timing starts after ``--warmup`` steps (default 250),
 when the big tables' DRAM caches are full and every miss also evicts a row
 back to the ssd home, as in a long run (the output gives the least full
-cache's occupancy then). The two runs alternate ``--rounds`` times; prints
+cache's occupancy then); with the log layout the tiered run warms up longer,
+until every log home's cleaner has run (``--max-warmup``; the output gives
+the steps), since cleaning is part of a log's steady state. The two runs alternate ``--rounds`` times; prints
 every run's samples/s, each round's ratio and the ratio of the best of each
 (goal >= 0.7).
 ``--precision`` also trains a small synthetic model with float32, float16 and
@@ -55,10 +61,13 @@ DIM, ROW_BYTES = 16, (16 + 1) * 4  # float32 row + rowwise-adagrad state
 
 
 def run_config(path: Path, sizes: list[int], tiers: Any, batch: int, warmup: int, steps: int,
-               lookahead: int, imported: bool = False) -> tuple[float, float]:
-    """(samples/s of DLRM training steps after ``warmup`` untimed ones, fill of the least full partial DRAM
-    cache when timing started: 1.0 = every cache evicts, as in a long run); ``tiers(i, rows)`` gives table i's
-    tiers. ``imported``: every row is written first, so misses read real rows from the ssd home."""
+               lookahead: int, imported: bool = False, max_warmup: int = 0) -> tuple[float, float, int]:
+    """(samples/s of ``steps`` timed DLRM training steps, fill of the least full partial DRAM cache when
+    timing started: 1.0 = every cache evicts, as in a long run, warm-up steps run); ``tiers(i, rows)``
+    gives table i's tiers. ``imported``: every row is written first, so misses read real rows from the
+    ssd home. Timing starts after ``warmup`` steps, or later, up to ``max_warmup``, until every log-layout
+    home has run its cleaner: a log's steady state includes cleaning, which starts once its spare
+    blocks are used up."""
     tables = tuple(TableConfig.from_dict({"name": f"c{i}", "num_embeddings": n, "dim": DIM, "tiers": tiers(i, n)})
                    for i, n in enumerate(sizes))
     store = embstore.create(path, StoreConfig(tables))
@@ -71,21 +80,33 @@ def run_config(path: Path, sizes: list[int], tiers: Any, batch: int, warmup: int
         torch.manual_seed(0)
         model = DLRM(ebc, len(names), DIM, 13, [512, 256, 64, 16], [512, 256, 1])
         opt = dense_optimizer("adagrad", model.dense_parameters(), 0.01)
-        data = SyntheticClicks(tuple(sizes), batch, warmup + steps, zipf_alpha=1.05, seed=1)
-        t0, fill = 0.0, 1.0
-        for i, b in enumerate(ebc.pipeline(data, sparse=ClickBatch.sparse)):
-            if i == warmup:
-                fill = cache_fill(ebc.tables)
+        data = SyntheticClicks(tuple(sizes), batch, max(warmup, max_warmup) + steps, zipf_alpha=1.05, seed=1)
+        t0, fill, start = 0.0, 1.0, -1
+        batches = ebc.pipeline(data, sparse=ClickBatch.sparse)
+        for i, b in enumerate(batches):
+            if start < 0 and i >= warmup and (i >= max_warmup or logs_cleaned(ebc.tables)):
+                fill, start = cache_fill(ebc.tables), i
                 t0 = time.perf_counter()
+            if start >= 0 and i == start + steps:
+                break
             loss = F.binary_cross_entropy_with_logits(model(b.dense, b.ids, b.offsets), b.labels)
             opt.zero_grad()
             loss.backward()
             opt.step()
         elapsed = time.perf_counter() - t0
+        batches.close()
         ebc.release()
-        return steps * batch / elapsed, fill
+        return steps * batch / elapsed, fill, start
     finally:
         store.close()
+
+
+def logs_cleaned(tables: list[Any]) -> bool:
+    """Whether every log-layout ssd home has run its cleaner at least once."""
+    from embstore.tiers.ssd_log import LogSSDTier
+
+    homes = [t.hierarchy.home for t in tables]
+    return all(h.cleaned_blocks > 0 for h in homes if isinstance(h, LogSSDTier))
 
 
 def cache_fill(tables: list[Any]) -> float:
@@ -181,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="untimed steps first (default 250: the big tables' DRAM caches are full by then, so "
                         "timed steps pay the eviction write-backs of a long run; quick 4)")
     p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument("--max-warmup", type=int, default=None,
+                   help="with --layout log, the tiered run warms up beyond --warmup until every log home has "
+                        "run its cleaner, up to this many steps (default 6000, quick 0)")
     p.add_argument("--rounds", type=int, default=2,
                    help="alternate the two runs this many times and compare the best of each (default 2)")
     p.add_argument("--cold", action="store_true",
@@ -188,6 +212,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "tables whose every row was written first, as after `embstore import`")
     p.add_argument("--placement", choices=("tuned", "uniform"), default="tuned",
                    help="split the DRAM budget as `embstore tune` would, or 1/10 of every table")
+    p.add_argument("--layout", choices=("log", "in_place"), default="log",
+                   help="ssd home layout of the tables cached in part: 'log' appends written-back rows to free "
+                        "blocks (no read-modify-write; a 4-byte-per-row slot map in DRAM, reported), 'in_place' "
+                        "rewrites each row's block")
+    p.add_argument("--maps-in-budget", action="store_true",
+                   help="count the log homes' slot maps in the 10%% DRAM budget (the caches get the rest)")
     p.add_argument("--precision", action="store_true", help="also compare float32/float16/int8 rows' AUC")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir; ssd needs O_DIRECT)")
     args = p.parse_args(argv)
@@ -195,42 +225,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = args.steps or (10 if args.quick else 60)
     warmup = args.warmup if args.warmup is not None else (4 if args.quick else 250)
     sizes = [min(n, cap) for n in KAGGLE]
+    if args.max_warmup is None:
+        args.max_warmup = 0 if args.quick or args.layout != "log" else 6000
     total_bytes = sum(sizes) * ROW_BYTES
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         root = Path(d)
         def all_dram(i: int, n: int) -> list[dict[str, Any]]:  # the cache holds the whole table
             return [{"kind": "dram", "capacity": n * ROW_BYTES + (1 << 16)}, {"kind": "mmap"}]
 
-        if args.placement == "tuned":
-            cache_rows, policies = tuned_dram_rows(sizes, args.batch, total_bytes // 10)
-        else:  # each table is 10x its DRAM cache
-            cache_rows, policies = [max(n // 10, 64) for n in sizes], ["lru"] * len(sizes)
+        def place(budget: int) -> tuple[list[int], list[str]]:
+            if args.placement == "tuned":
+                return tuned_dram_rows(sizes, args.batch, budget)
+            return [max(n * budget // total_bytes, 64) for n in sizes], ["lru"] * len(sizes)  # 1/10 of each
+
+        def slot_maps(rows: list[int]) -> int:  # DRAM of the log homes' slot maps (4 bytes per row)
+            return sum(4 * n for r, n in zip(rows, sizes) if r < n) if args.layout == "log" else 0
+
+        cache_rows, policies = place(total_bytes // 10)
+        if args.maps_in_budget:  # the caches get what the slot maps leave of the budget
+            cache_rows, policies = place(total_bytes // 10 - slot_maps(cache_rows))
 
         def tiered(i: int, n: int) -> list[dict[str, Any]]:
             rows = cache_rows[i]
+            layout = args.layout if rows < n else "in_place"  # a table held whole never writes back
             return ([{"kind": "dram", "capacity": rows * ROW_BYTES, "policy": policies[i]}] if rows else []) + \
-                [{"kind": "ssd"}]
+                [{"kind": "ssd", "layout": layout}]
         dram_bytes = sum(cache_rows) * ROW_BYTES
+        map_bytes = slot_maps(cache_rows)
         runs: dict[str, list[float]] = {"dram": [], "ssd": []}
         fills: list[float] = []
+        warm_steps: list[int] = []
         for r in range(args.rounds):  # alternate, so a slow spell of the machine hits both sides
             for name, tiers in (("dram", all_dram), ("ssd", tiered)):
                 path = root / f"{name}{r}"
-                rate, fill = run_config(path, sizes, tiers, args.batch, warmup, steps, args.lookahead, not args.cold)
+                rate, fill, start = run_config(path, sizes, tiers, args.batch, warmup, steps, args.lookahead,
+                                               not args.cold, args.max_warmup if name == "ssd" else 0)
                 runs[name].append(rate)
                 if name == "ssd":
                     fills.append(fill)
+                    warm_steps.append(start)
                 shutil.rmtree(path, ignore_errors=True)
         dram_rate, ssd_rate = max(runs["dram"]), max(runs["ssd"])
         result: dict[str, Any] = {
             "rows": sum(sizes), "table_bytes": total_bytes, "placement": args.placement,
             "start": "cold" if args.cold else "imported",
             "dram_cache_bytes": dram_bytes, "dram_cache_share": round(dram_bytes / total_bytes, 4),
+            "ssd_layout": args.layout, "ssd_slot_map_bytes": map_bytes,
+            "dram_cache_plus_maps_share": round((dram_bytes + map_bytes) / total_bytes, 4),
             "tables_whole_in_dram": sum(r >= n for r, n in zip(cache_rows, sizes)), "batch": args.batch, "steps": steps,
             "rounds": args.rounds, "dram_runs": [round(x) for x in runs["dram"]],
             "ssd_runs": [round(x) for x in runs["ssd"]],
             "round_ratios": [round(s / d, 3) for s, d in zip(runs["ssd"], runs["dram"])],
-            "dram_cache_fill_at_timing": [round(f, 3) for f in fills],
+            "dram_cache_fill_at_timing": [round(f, 3) for f in fills], "ssd_warmup_steps": warm_steps,
             "dram_samples_per_s": round(dram_rate), "ssd_samples_per_s": round(ssd_rate),
             "ratio_ssd_over_dram": round(ssd_rate / dram_rate, 3), "goal": 0.7}
         if args.precision:

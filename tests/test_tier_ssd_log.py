@@ -1,0 +1,311 @@
+"""The ssd tier's log layout: writes append whole blocks (no read-modify-write), a greedy cleaner
+reclaims space, and the committed slot map keeps every flushed row across crashes and reopenings."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import embstore
+from embstore.config import StoreConfig, TableConfig, TierConfig
+from embstore.errors import ConfigError, CorruptStoreError, DiskFullError, TierIOError
+from embstore.tiers import ssd, ssd_log
+from embstore.tiers.ssd import SSDTier
+from embstore.tiers.ssd_log import LogSSDTier
+
+
+def rows_for(ids: np.ndarray, row_bytes: int, version: int) -> np.ndarray:
+    """Rows that name their id and version in every 8 bytes, so a torn row is visible."""
+    unit = (np.asarray(ids, np.int64) * 1_000_003 + version).astype("<i8").view(np.uint8).reshape(-1, 8)
+    return np.tile(unit, (1, -(-row_bytes // 8)))[:, :row_bytes].copy()
+
+
+def check_all(tier: LogSSDTier, model: dict[int, np.ndarray]) -> None:
+    ids = np.arange(tier.num_rows, dtype=np.int64)
+    rows, found = tier.get(ids)
+    assert np.flatnonzero(found).tolist() == sorted(model)
+    for i in model:
+        np.testing.assert_array_equal(rows[i], model[i], err_msg=f"row {i}")
+    assert int(tier._live.sum()) == tier.resident_rows == len(model)  # live counts agree with the map
+
+
+def test_writes_never_read_but_in_place_does(tmp_path: Path) -> None:
+    """The point of the layout: rows written next to present rows cost no read."""
+    even = np.arange(0, 4096, 2, dtype=np.int64)
+    odd = np.arange(1, 4096, 64, dtype=np.int64)  # one new row in each block of present rows
+    for cls, reads in ((LogSSDTier, False), (SSDTier, True)):
+        tier = cls(tmp_path / cls.__name__, 4096, 64)
+        tier.put(even, rows_for(even, 64, 1))
+        before = tier.counters.bytes_read
+        tier.put(odd, rows_for(odd, 64, 2))
+        assert (tier.counters.bytes_read > before) is reads, cls.__name__
+        rows, found = tier.get(np.concatenate([even, odd]))
+        assert found.all()
+        np.testing.assert_array_equal(rows, np.concatenate([rows_for(even, 64, 1), rows_for(odd, 64, 2)]))
+        tier.close()
+
+
+def test_cleaner_reclaims_space_and_keeps_every_row(tmp_path: Path) -> None:
+    """Overwrite a full table many times over: the slab never grows, the cleaner runs, nothing is lost."""
+    rng = np.random.default_rng(0)
+    tier = LogSSDTier(tmp_path / "t", 3000, 200)  # 20 rows per block, 150 blocks + 64 spare
+    size = os.path.getsize(tmp_path / "t" / ssd.SLAB_FILE)
+    model: dict[int, np.ndarray] = {}
+    all_ids = np.arange(3000, dtype=np.int64)
+    tier.put(all_ids, rows_for(all_ids, 200, 0))
+    model.update(zip(all_ids.tolist(), rows_for(all_ids, 200, 0)))
+    for v in range(1, 200):
+        ids = np.unique(rng.integers(0, 3000, 150))
+        tier.put(ids, rows_for(ids, 200, v))
+        model.update(zip(ids.tolist(), rows_for(ids, 200, v)))
+        if v % 50 == 0:
+            tier.flush()
+    assert tier.cleaned_blocks > 0
+    assert os.path.getsize(tmp_path / "t" / ssd.SLAB_FILE) == size
+    check_all(tier, model)
+    tier.close()
+    tier = LogSSDTier(tmp_path / "t", 3000, 200)
+    check_all(tier, model)
+    tier.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "put", "put", "delete", "get", "flush", "reopen"]),
+                              st.lists(st.integers(0, 99), min_size=1, max_size=40), st.integers(0, 1000)),
+                    max_size=40),
+       row_bytes=st.sampled_from([40, 700, 2048, 5000]))
+def test_matches_dict_model_through_cleaning_and_reopens(ops, row_bytes: int, tmp_path_factory) -> None:
+    """Random puts (repeated ids too), deletes, flushes and reopenings against a dict, with 2 spare
+    blocks so the cleaner runs all the time."""
+    path = tmp_path_factory.mktemp("log") / "t"
+    saved = ssd_log.MIN_SPARE_BLOCKS
+    ssd_log.MIN_SPARE_BLOCKS = 4
+    try:
+        tier = LogSSDTier(path, 100, row_bytes, queue_depth=4)
+        model: dict[int, np.ndarray] = {}
+        for op, ids, version in ops:
+            arr = np.array(ids, np.int64)
+            if op == "put":
+                rows = rows_for(arr, row_bytes, version) ^ np.arange(len(arr), dtype=np.uint8)[:, None]
+                tier.put(arr, rows)
+                model.update(zip(ids, rows))  # a repeated id: the last write wins
+            elif op == "delete":
+                tier.delete(np.unique(arr))
+                for i in ids:
+                    model.pop(i, None)
+            elif op == "get":
+                rows, found = tier.get(np.unique(arr))
+                for i, r, f in zip(np.unique(arr).tolist(), rows, found):
+                    assert f == (i in model)
+                    if f:
+                        np.testing.assert_array_equal(r, model[i])
+            elif op == "flush":
+                tier.flush()
+            else:
+                tier.close()
+                tier = LogSSDTier(path, 100, row_bytes, queue_depth=4)
+            assert tier.resident_rows == len(model)
+        check_all(tier, model)
+        tier.close()
+        tier = LogSSDTier(path, 100, row_bytes, queue_depth=4)
+        check_all(tier, model)
+        tier.close()
+    finally:
+        ssd_log.MIN_SPARE_BLOCKS = saved
+
+
+def test_unflushed_writes_are_not_visible_after_a_lost_process(tmp_path: Path) -> None:
+    """Without close(), a reopen sees the last flush: overwritten rows at their flushed version."""
+    tier = LogSSDTier(tmp_path / "t", 1000, 64)
+    ids = np.arange(1000, dtype=np.int64)
+    tier.put(ids, rows_for(ids, 64, 1))
+    tier.flush()
+    tier.put(ids[:500], rows_for(ids[:500], 64, 2))
+    tier.delete(ids[900:])
+    tier._release()  # drop the file descriptors the way a killed process would
+    tier.closed = True
+    again = LogSSDTier(tmp_path / "t", 1000, 64)
+    check_all(again, {int(i): r for i, r in zip(ids, rows_for(ids, 64, 1))})
+    again.close()
+
+
+@pytest.mark.parametrize("damage", ["checksum", "truncated", "magic", "shared-slot", "geometry"])
+def test_corrupt_slot_map_at_open(tmp_path: Path, damage: str) -> None:
+    tier = LogSSDTier(tmp_path / "t", 100, 64)
+    ids = np.arange(10, dtype=np.int64)
+    tier.put(ids, rows_for(ids, 64, 1))
+    tier.close()
+    path = tmp_path / "t" / ssd.LOG_MAP_FILE
+    data = bytearray(path.read_bytes())
+    head = ssd_log._MAP_HEADER.size
+    if damage == "checksum":
+        data[head + 5] ^= 1
+    elif damage == "truncated":
+        del data[-3:]
+    elif damage == "magic":
+        data[0] ^= 0xFF
+    elif damage == "shared-slot":  # a valid checksum over a map that gives two rows one slot
+        slots = np.frombuffer(bytes(data[head:]), np.int32).copy()
+        slots[1] = slots[0]
+        fields = list(ssd_log._MAP_HEADER.unpack_from(bytes(data)))
+        body = slots.tobytes()
+        fields[-1] = 0
+        import zlib
+        fields[-1] = zlib.crc32(body, zlib.crc32(ssd_log._MAP_HEADER.pack(*fields)))
+        data = bytearray(ssd_log._MAP_HEADER.pack(*fields) + body)
+    path.write_bytes(bytes(data))
+    if damage == "geometry":
+        with pytest.raises(CorruptStoreError, match="num_rows"):
+            LogSSDTier(tmp_path / "t", 101, 64)
+        return
+    with pytest.raises(CorruptStoreError):
+        LogSSDTier(tmp_path / "t", 100, 64)
+
+
+def test_layouts_do_not_open_each_other(tmp_path: Path) -> None:
+    LogSSDTier(tmp_path / "log", 100, 64).close()
+    SSDTier(tmp_path / "inplace", 100, 64).close()
+    with pytest.raises(CorruptStoreError, match="log"):
+        SSDTier(tmp_path / "log", 100, 64)
+    with pytest.raises(CorruptStoreError, match="in-place"):
+        LogSSDTier(tmp_path / "inplace", 100, 64)
+
+
+def _fail_writes(monkeypatch: pytest.MonkeyPatch, err: int, after: int = 0) -> None:
+    real = ssd._uring_kernel
+    calls = [0]
+
+    def fake(ring, fd, opcode, offs, addrs, lens, qd, res):  # type: ignore[no-untyped-def]
+        if opcode == ssd._IORING_OP_WRITE:
+            calls[0] += 1
+            if calls[0] > after:
+                res[:] = -err
+                return 0
+        return real(ring, fd, opcode, offs, addrs, lens, qd, res)
+
+    monkeypatch.setattr(ssd, "_uring_kernel", fake)
+
+
+@pytest.mark.parametrize("err,cls", [(errno.EIO, TierIOError), (errno.ENOSPC, DiskFullError)])
+@pytest.mark.parametrize("during", ["append", "cleaning"])
+def test_write_fault_leaves_the_map_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int,
+                                              cls: type, during: str) -> None:
+    tier = LogSSDTier(tmp_path / "t", 2000, 200)
+    ids = np.arange(2000, dtype=np.int64)
+    tier.put(ids, rows_for(ids, 200, 1))
+    tier.flush()
+    model = {int(i): r for i, r in zip(ids, rows_for(ids, 200, 1))}
+    if during == "append":
+        _fail_writes(monkeypatch, err)
+    else:  # the fault starts when the cleaner does, so it hits the cleaner's own writes
+        real_clean = tier._clean
+
+        def failing_clean() -> bool:
+            _fail_writes(monkeypatch, err)
+            return real_clean()
+        monkeypatch.setattr(tier, "_clean", failing_clean)
+    with pytest.raises(cls) as ei:
+        for v in range(2, 10_000):
+            part = np.sort(np.random.default_rng(v).choice(2000, 100, replace=False))
+            tier.put(part, rows_for(part, 200, v))
+            model.update(zip(part.tolist(), rows_for(part, 200, v)))
+    assert ei.value.tier == "ssd" and ei.value.errno == err
+    assert tier.cleaned_blocks == 0  # no cleaning round completed
+    monkeypatch.undo()
+    check_all(tier, model)  # nothing the failed call wrote is visible
+    some = ids[::7]
+    tier.put(some, rows_for(some, 200, 1000))  # and the tier keeps working
+    model.update(zip(some.tolist(), rows_for(some, 200, 1000)))
+    tier.close()
+    again = LogSSDTier(tmp_path / "t", 2000, 200)
+    check_all(again, model)
+    again.close()
+
+
+def test_store_config_layout(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="tiers.layout"):
+        TierConfig("ssd", layout="append")
+    with pytest.raises(ConfigError, match="tiers.layout"):
+        TierConfig("rocksdb", layout="log")
+    cfg = TableConfig("t", 5000, 8, tiers=(TierConfig("dram", 40 * 100, "lru"), TierConfig("ssd", layout="log")))
+    assert TierConfig.from_dict(cfg.tiers[-1].to_dict()).layout == "log"
+    ids = np.arange(5000, dtype=np.int64)
+    rows = np.random.default_rng(0).standard_normal((5000, 8)).astype(np.float32)
+    with embstore.create(tmp_path / "s", StoreConfig((cfg,))) as store:
+        store["t"].update(ids, rows)
+        assert isinstance(store["t"].hierarchy.home, LogSSDTier)
+    with embstore.open(tmp_path / "s") as store:  # the layout is part of the saved config
+        assert isinstance(store["t"].hierarchy.home, LogSSDTier)
+        np.testing.assert_array_equal(store["t"].lookup(ids), rows)
+
+
+CHILD = r"""
+import sys, numpy as np
+sys.path.insert(0, {tests!r})
+from test_tier_ssd_log import rows_for
+from embstore.tiers import ssd_log
+ssd_log.MIN_SPARE_BLOCKS = 8
+tier = ssd_log.LogSSDTier(sys.argv[1], {rows}, {rb}, queue_depth=8)
+step = 0
+while True:
+    ids = np.random.default_rng(step).choice({rows}, {per}, replace=False).astype(np.int64)
+    tier.put(ids, rows_for(ids, {rb}, step))
+    if step % 4 == 3:
+        tier.flush()
+        print(step, tier.cleaned_blocks, flush=True)
+    step += 1
+"""
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_crash_while_overwriting_and_cleaning(tmp_path: Path, trial: int) -> None:
+    """SIGKILL a child that overwrites random rows (the cleaner busy): every row reads exactly as of the
+    last acknowledged flush or as a later write of it, never torn."""
+    rows, rb, per = 400, 1000, 60  # 4 rows per block, 100 blocks + 8 spare
+    code = CHILD.format(tests=str(Path(__file__).parent), rows=rows, rb=rb, per=per)
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "t")], stdout=subprocess.PIPE, text=True)
+    rng = random.Random(trial)
+    want, acks = rng.randint(3, 15), []
+    deadline = time.monotonic() + 60
+    while len(acks) < want and time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line:
+            break
+        acks.append([int(x) for x in line.split()])
+    time.sleep(rng.random() * 0.03)
+    os.kill(child.pid, signal.SIGKILL)
+    rest, _ = child.communicate()
+    acks += [[int(x) for x in line.split()] for line in rest.splitlines()]
+    assert acks, "the child never completed a flush"
+    last, _ = acks[-1]
+    if last >= 15:
+        assert acks[-1][1] > 0, "the cleaner should have run by then"
+    writes: dict[int, list[int]] = {}
+    for step in range(last + 200):
+        for i in np.random.default_rng(step).choice(rows, per, replace=False).tolist():
+            writes.setdefault(i, []).append(step)
+    saved = ssd_log.MIN_SPARE_BLOCKS
+    ssd_log.MIN_SPARE_BLOCKS = 8
+    try:
+        tier = LogSSDTier(tmp_path / "t", rows, rb, queue_depth=8)
+    finally:
+        ssd_log.MIN_SPARE_BLOCKS = saved
+    got, found = tier.get(np.arange(rows, dtype=np.int64))
+    for i in range(rows):
+        acked = [s for s in writes.get(i, []) if s <= last]
+        if not acked:
+            continue
+        assert found[i], f"row {i} lost"
+        later = [s for s in writes[i] if s >= acked[-1]]
+        assert any(np.array_equal(got[i], rows_for(np.array([i]), rb, s)[0]) for s in later), f"row {i} torn or old"
+    tier.close()

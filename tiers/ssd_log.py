@@ -1,0 +1,321 @@
+"""The ``ssd`` tier's log layout (``layout = "log"``): written rows go to free blocks, never in place.
+
+Why: a row much smaller than its 4 KiB block, written in place, costs a
+read-modify-write of that block (read it, patch one row, write it: two I/Os
+per row, since evicted rows rarely share a block). Training writes back every
+row it evicts, so in the steady state that doubled the tier's I/O. Here a
+batch of ``n`` rows is packed into ``ceil(n / rows_per_block)`` free blocks and
+written whole, with no read; a slot map in memory says where each row lives.
+
+Costs, paid for it:
+
+- DRAM: the slot map, 4 bytes per row (int32; int64 past 2**31 slots), where
+  the in-place layout keeps one presence bit per row.
+- Disk: the slab has 25% more blocks than the rows fill (at least 64), so
+  free blocks remain. When writes have used them up, a greedy cleaner picks
+  the blocks with the fewest live rows, reads them and appends their live
+  rows elsewhere (LFS's cleaner, Rosenblum & Ousterhout 1992). The emptied
+  blocks become free at the next commit of the slot map.
+- flush() writes the whole slot map (4 bytes per row), not a bitmap.
+
+Files in ``directory``::
+
+    rows.slab   num_blocks blocks of rows_per_block slots; sparse until written
+    slots.bin   header (magic, geometry, slot width, count, crc32) + one slot per row (-1: absent)
+
+Durability: a block that the committed ``slots.bin`` references is never
+written. A block emptied since the last commit waits in limbo until the next
+commit, which no longer references it. flush() fdatasyncs the slab, then
+replaces ``slots.bin`` atomically. After a SIGKILL, every row reads as of the
+last flush and is never torn: its block was written whole, and made durable,
+before a committed map pointed at it. Rows written after the last flush read
+as their flushed version (or as absent if they were new).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+from numba import njit
+
+from embstore.arrays import Ids, Mask, RowBytes
+from embstore.errors import CorruptStoreError, TierIOError, tier_io_error
+from embstore.tiers import ssd as _ssd
+from embstore.tiers.ssd import BITMAP_FILE, LOG_MAP_FILE, SSDTier
+
+SPARE_SHARE = 0.25  # spare blocks, as a share of the blocks the rows fill
+MIN_SPARE_BLOCKS = 64
+MAX_CLEAN_BLOCKS = 8192  # blocks one cleaning round reads at most: a round must not stall a look-ahead window
+
+_MAP_MAGIC = b"EMBSSDL\x01"
+# magic, num_rows, row_bytes, block_bytes, num_blocks, slot itemsize, resident count, crc32
+_MAP_HEADER = struct.Struct("<8sQQQQQQI4x")
+
+
+@njit(cache=True, nogil=True)
+def _repoint(slot_of: np.ndarray, live: np.ndarray, ids: np.ndarray, new_slots: np.ndarray,
+             rpb: int) -> tuple[int, np.ndarray]:
+    """Point ``ids`` at ``new_slots`` (-1: absent); returns (change in present rows, blocks this left
+    without a live row)."""
+    emptied = np.empty(ids.shape[0], np.int64)
+    k = 0
+    delta = 0
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        old = slot_of[r]
+        if old >= 0:
+            delta -= 1
+            b = old // rpb
+            live[b] -= 1
+            if live[b] == 0:
+                emptied[k] = b
+                k += 1
+        s = new_slots[i]
+        slot_of[r] = s
+        if s >= 0:
+            delta += 1
+            live[s // rpb] += 1
+    return delta, emptied[:k]
+
+
+@njit(cache=True, nogil=True)
+def _live_rows_in(slot_of: np.ndarray, marked: np.ndarray, rpb: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, slots) of the rows living in the blocks flagged in ``marked``: one pass over the map."""
+    n = 0
+    for r in range(slot_of.shape[0]):
+        s = slot_of[r]
+        if s >= 0 and marked[s // rpb]:
+            n += 1
+    ids = np.empty(n, np.int64)
+    slots = np.empty(n, np.int64)
+    k = 0
+    for r in range(slot_of.shape[0]):
+        s = slot_of[r]
+        if s >= 0 and marked[s // rpb]:
+            ids[k] = r
+            slots[k] = s
+            k += 1
+    return ids, slots
+
+
+@njit(cache=True, nogil=True)
+def _map_errors(slot_of: np.ndarray, num_slots: int) -> tuple[int, int]:
+    """(present rows, first row whose slot is out of range or shared with an earlier row; -1 if none)."""
+    seen = np.zeros((num_slots + 7) // 8, np.uint8)
+    present = 0
+    for r in range(slot_of.shape[0]):
+        s = slot_of[r]
+        if s < 0:
+            if s != -1:
+                return present, r
+            continue
+        if s >= num_slots or (seen[s >> 3] >> (s & 7)) & 1:
+            return present, r
+        seen[s >> 3] |= np.uint8(1 << (s & 7))
+        present += 1
+    return present, -1
+
+
+def _last_writes(ids: Ids, rows: RowBytes) -> tuple[Ids, RowBytes]:
+    """Drop all but the last write of an id repeated within one call (the tier contract allows relying
+    on unique ids; this keeps a direct caller's repeated ids from corrupting the live counts)."""
+    order = np.argsort(ids, kind="stable")
+    s = ids[order]
+    keep = np.ones(len(s), np.bool_)
+    keep[:-1] = s[1:] != s[:-1]
+    if keep.all():
+        return ids, rows
+    sel = order[keep]
+    return ids[sel], rows[sel]
+
+
+class LogSSDTier(SSDTier):
+    """An ``ssd`` home whose writes append to free blocks (see the module docstring for why).
+
+    Same contract, files apart, as :class:`SSDTier`; ``spare_blocks``,
+    ``cleaned_blocks`` and ``moved_rows`` report the log's state.
+    """
+
+    _commit_file = LOG_MAP_FILE
+
+    def _slab_blocks(self, row_blocks: int) -> int:
+        self.spare_blocks = max(int(row_blocks * SPARE_SHARE), MIN_SPARE_BLOCKS)
+        return row_blocks + self.spare_blocks
+
+    # -- files -------------------------------------------------------------------
+    def _open_files(self) -> None:
+        rpb = self.rows_per_block
+        num_slots = self.num_blocks * rpb
+        self._slot_dtype = np.dtype(np.int32 if num_slots < 2**31 else np.int64)
+        # regular writes leave half the spare blocks to the cleaner, which needs room to move rows into
+        self._reserve = self.spare_blocks // 2
+        self._piece_blocks = max(1, min(self._chunk_blocks, self.spare_blocks // 4))
+        self._clean_blocks = max(self._piece_blocks, min(self.spare_blocks // 4, MAX_CLEAN_BLOCKS))
+        self._limbo: list[np.ndarray] = []
+        self.cleaned_blocks = 0  # blocks the cleaner emptied
+        self.moved_rows = 0  # live rows it rewrote to do so (its write cost)
+        if (self.path / BITMAP_FILE).exists():
+            raise CorruptStoreError(f"ssd tier: {self.path} holds an in-place tier ({BITMAP_FILE}); "
+                                    f"open it without layout = \"log\"")
+        if (self.path / LOG_MAP_FILE).exists():
+            self._slot_of, self._resident = self._load_map()
+            self._open_slab(create=False)
+        else:
+            self._open_slab(create=True)
+            self._slot_of = np.full(self.num_rows, -1, self._slot_dtype)
+            self._resident = 0
+            self._write_index()
+        present = self._slot_of[self._slot_of >= 0]
+        self._live = np.bincount(present // rpb, minlength=self.num_blocks).astype(np.int32)
+        self._free = np.flatnonzero(self._live == 0).astype(np.int64)  # sorted; taken from the front
+        self._free_head = 0
+
+    def _map_header(self, resident: int, crc: int) -> bytes:
+        return _MAP_HEADER.pack(_MAP_MAGIC, self.num_rows, self.row_bytes, self.block_bytes, self.num_blocks,
+                                self._slot_dtype.itemsize, resident, crc)
+
+    def _load_map(self) -> tuple[np.ndarray, int]:
+        path = self.path / LOG_MAP_FILE
+        data = path.read_bytes()
+        if len(data) < _MAP_HEADER.size:
+            raise CorruptStoreError(f"ssd tier: {path} is truncated ({len(data)} bytes)")
+        magic, num_rows, row_bytes, block_bytes, num_blocks, width, resident, crc = _MAP_HEADER.unpack_from(data)
+        if magic != _MAP_MAGIC:
+            raise CorruptStoreError(f"ssd tier: {path} is not a slot map (bad magic)")
+        if (num_rows, row_bytes, block_bytes, num_blocks) != (self.num_rows, self.row_bytes, self.block_bytes,
+                                                              self.num_blocks):
+            raise CorruptStoreError(f"ssd tier: {self.path} holds num_rows={num_rows}, row_bytes={row_bytes}; "
+                                    f"opened with num_rows={self.num_rows}, row_bytes={self.row_bytes}")
+        if width != self._slot_dtype.itemsize or len(data) != _MAP_HEADER.size + num_rows * width:
+            raise CorruptStoreError(f"ssd tier: {path} has {len(data)} bytes, expected "
+                                    f"{_MAP_HEADER.size + self.num_rows * self._slot_dtype.itemsize}")
+        body = memoryview(data)[_MAP_HEADER.size:]
+        if zlib.crc32(body, zlib.crc32(self._map_header(resident, 0))) != crc:
+            raise CorruptStoreError(f"ssd tier: {path} fails its checksum")
+        slot_of = np.frombuffer(body, dtype=self._slot_dtype.newbyteorder("<")).astype(self._slot_dtype)
+        count, bad = _map_errors(slot_of, self.num_blocks * self.rows_per_block)
+        if bad >= 0:
+            raise CorruptStoreError(f"ssd tier: {path} gives row {bad} an invalid or shared slot")
+        if count != resident:
+            raise CorruptStoreError(f"ssd tier: {path} counts {resident} rows but maps {count}")
+        return slot_of, count
+
+    def _write_index(self) -> None:
+        """Commit the slot map; blocks emptied before it are free from now on."""
+        body = self._slot_of.astype(self._slot_dtype.newbyteorder("<"), copy=False).data
+        crc = zlib.crc32(body, zlib.crc32(self._map_header(self._resident, 0)))
+        self._replace_file(LOG_MAP_FILE, (self._map_header(self._resident, crc), body))
+        if getattr(self, "_limbo", None):
+            emptied = np.concatenate(self._limbo)
+            self._limbo = []
+            emptied = emptied[self._live[emptied] == 0]  # a block may have been emptied, reused, emptied again
+            self._free = np.union1d(self._free[self._free_head:], emptied)
+            self._free_head = 0
+
+    def _checkpoint(self) -> None:
+        """flush() from inside a write: the cleaner's emptied blocks become free only after a commit."""
+        try:
+            if self._dirty_slab:
+                _ssd._fdatasync(self._fd)
+                self._dirty_slab = False
+            self._write_index()
+            self._dirty_bits = False
+        except OSError as exc:
+            raise tier_io_error("ssd", "flush", exc) from exc
+
+    # -- Tier API ----------------------------------------------------------------
+    def _locate(self, ids: Ids) -> tuple[np.ndarray, Mask]:
+        slots = self._slot_of[ids].astype(np.int64)
+        return slots, slots >= 0
+
+    def _write(self, ids: Ids, rows: RowBytes) -> None:
+        ids, rows = _last_writes(ids, rows)
+        step = self._piece_blocks * self.rows_per_block
+        for lo in range(0, len(ids), step):
+            self._append(ids[lo:lo + step], rows[lo:lo + step], cleaning=False)
+
+    def delete(self, ids: Ids) -> None:
+        """Mark rows absent (durable at the next flush); their slots are reclaimed like overwritten ones."""
+        with self._lock:
+            self._check_open()
+            ids = self._ids(ids)
+            if len(ids):
+                delta, emptied = _repoint(self._slot_of, self._live, ids, np.full(len(ids), -1, np.int64),
+                                          self.rows_per_block)
+                self._resident += delta
+                self._limbo.append(emptied)
+                self._dirty_bits = True
+
+    # -- the log -----------------------------------------------------------------
+    def _available(self) -> int:
+        return len(self._free) - self._free_head
+
+    def _append(self, ids: np.ndarray, rows: np.ndarray, cleaning: bool) -> None:
+        """Write ``rows`` (unique ``ids``) into free blocks, whole blocks and no reads, then repoint the map."""
+        rpb = self.rows_per_block
+        need = -(-len(ids) // rpb)
+        if not cleaning:
+            self._make_room(need + self._reserve)
+        if self._available() < need:  # the cleaner sizes its moves to what is free; this is a bug guard
+            raise TierIOError(f"ssd tier at {self.path}: no free block left for {len(ids)} rows")
+        blocks = self._free[self._free_head:self._free_head + need]
+        view = self._buffer(need)
+        view[-1] = 0  # the last block's unused slots
+        j = np.arange(len(ids))
+        self._slots(view)[j // rpb, j % rpb] = rows
+        try:
+            self._io(True, blocks, np.arange(need), view)
+        except OSError as exc:
+            raise tier_io_error("ssd", "write", exc) from exc
+        self._free_head += need
+        self._dirty_slab = True
+        self.counters.bytes_written += need * self.block_bytes
+        new_slots = blocks[j // rpb] * rpb + j % rpb
+        delta, emptied = _repoint(self._slot_of, self._live, ids, new_slots, rpb)
+        self._resident += delta
+        self._limbo.append(emptied)
+        self._dirty_bits = True
+
+    def _make_room(self, blocks: int) -> None:
+        """Get ``blocks`` free blocks: commit to free the emptied ones, clean when that is not enough."""
+        while self._available() < blocks:
+            if any(len(x) for x in self._limbo):
+                self._checkpoint()
+                if self._available() >= blocks:
+                    return
+            if not self._clean():
+                raise TierIOError(f"ssd tier at {self.path}: the log cannot free {blocks} blocks "
+                                  f"({self._available()} free of {self.num_blocks})")
+
+    def _clean(self) -> bool:
+        """Move the live rows of the emptiest blocks to free ones, then commit; False when nothing moved."""
+        rpb = self.rows_per_block
+        used = np.flatnonzero((self._live > 0) & (self._live < rpb))
+        if len(used) == 0:
+            return False
+        order = used[np.argsort(self._live[used], kind="stable")]
+        moved = np.cumsum(self._live[order], dtype=np.int64)
+        room = self._available() * rpb
+        count = min(int(np.searchsorted(moved, room, side="right")), self._clean_blocks)
+        # a round must gain blocks: moving k rows uses ceil(k / rpb) of the freed ones
+        while count and count - (-(-int(moved[count - 1]) // rpb)) <= 0:
+            count -= 1
+        if count == 0:
+            return False
+        victims = order[:count]
+        marked = np.zeros(self.num_blocks, np.bool_)
+        marked[victims] = True
+        ids, slots = _live_rows_in(self._slot_of, marked, rpb)
+        rows = np.zeros((len(ids), self.row_bytes), np.uint8)
+        got, useful = self._get_bytes, self._get_useful
+        self._read_rows(slots, np.arange(len(ids)), rows)
+        self._get_bytes, self._get_useful = got, useful  # read_amplification is about get()
+        step = self._piece_blocks * rpb
+        for lo in range(0, len(ids), step):
+            self._append(ids[lo:lo + step], rows[lo:lo + step], cleaning=True)
+        self.cleaned_blocks += count
+        self.moved_rows += len(ids)
+        self._checkpoint()
+        return True
