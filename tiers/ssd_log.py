@@ -34,6 +34,7 @@ as their flushed version (or as absent if they were new).
 
 from __future__ import annotations
 
+import errno
 import struct
 import zlib
 
@@ -41,7 +42,7 @@ import numpy as np
 from numba import njit
 
 from embstore.arrays import Ids, Mask, RowBytes
-from embstore.errors import CorruptStoreError, TierIOError, tier_io_error
+from embstore.errors import CorruptStoreError, DiskFullError, tier_io_error
 from embstore.tiers import ssd as _ssd
 from embstore.tiers.ssd import BITMAP_FILE, LOG_MAP_FILE, SSDTier
 
@@ -152,7 +153,8 @@ class LogSSDTier(SSDTier):
         # regular writes leave half the spare blocks to the cleaner, which needs room to move rows into
         self._reserve = self.spare_blocks // 2
         self._piece_blocks = max(1, min(self._chunk_blocks, self.spare_blocks // 4))
-        self._clean_blocks = max(self._piece_blocks, min(self.spare_blocks // 4, MAX_CLEAN_BLOCKS))
+        # enough victims to gain a block even when each is nearly full (2 * rpb), else a quarter of the spare
+        self._clean_blocks = max(self._piece_blocks, 2 * rpb, min(self.spare_blocks // 4, MAX_CLEAN_BLOCKS))
         self._limbo: list[np.ndarray] = []
         self.cleaned_blocks = 0  # blocks the cleaner emptied
         self.moved_rows = 0  # live rows it rewrote to do so (its write cost)
@@ -259,7 +261,7 @@ class LogSSDTier(SSDTier):
         if not cleaning:
             self._make_room(need + self._reserve)
         if self._available() < need:  # the cleaner sizes its moves to what is free; this is a bug guard
-            raise TierIOError(f"ssd tier at {self.path}: no free block left for {len(ids)} rows")
+            raise DiskFullError("ssd", "write", errno.ENOSPC, f"no free block in {self.path} for {len(ids)} rows")
         blocks = self._free[self._free_head:self._free_head + need]
         view = self._buffer(need)
         view[-1] = 0  # the last block's unused slots
@@ -286,7 +288,8 @@ class LogSSDTier(SSDTier):
                 if self._available() >= blocks:
                     return
             if not self._clean():
-                raise TierIOError(f"ssd tier at {self.path}: the log cannot free {blocks} blocks "
+                raise DiskFullError("ssd", "clean", errno.ENOSPC,
+                                  f"the log at {self.path} cannot free {blocks} blocks "
                                   f"({self._available()} free of {self.num_blocks})")
 
     def _clean(self) -> bool:
@@ -299,10 +302,9 @@ class LogSSDTier(SSDTier):
         moved = np.cumsum(self._live[order], dtype=np.int64)
         room = self._available() * rpb
         count = min(int(np.searchsorted(moved, room, side="right")), self._clean_blocks)
-        # a round must gain blocks: moving k rows uses ceil(k / rpb) of the freed ones
-        while count and count - (-(-int(moved[count - 1]) // rpb)) <= 0:
-            count -= 1
-        if count == 0:
+        # a round must gain blocks: moving k rows takes ceil(k / rpb) of them back; the gain
+        # never falls as victims are added (each adds one block and less than one block of rows)
+        if count == 0 or count - (-(-int(moved[count - 1]) // rpb)) <= 0:
             return False
         victims = order[:count]
         marked = np.zeros(self.num_blocks, np.bool_)
