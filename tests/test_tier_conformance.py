@@ -18,6 +18,7 @@ from embstore.tiers.cache import DeviceTier, DRAMTier, MmapCacheTier
 from embstore.tiers.mmap import MmapTier
 from embstore.tiers.rocksdb import RocksDBTier
 from embstore.tiers.ssd import SSDTier
+from embstore.tiers.ssd_log import LogSSDTier
 
 NUM_ROWS = 64
 
@@ -30,6 +31,7 @@ FACTORIES: dict[str, Factory] = {
     "mmap-cache": lambda d, rb: MmapCacheTier(d / "c.mmap", rb, NUM_ROWS * 2, "lfu"),
     "mmap": lambda d, rb: MmapTier(d / "mmap", NUM_ROWS, rb),
     "ssd": lambda d, rb: SSDTier(d / "ssd", NUM_ROWS, rb, queue_depth=8),
+    "ssd-log": lambda d, rb: LogSSDTier(d / "ssd-log", NUM_ROWS, rb, queue_depth=8),
     "rocksdb": lambda d, rb: RocksDBTier(d / "rocks", rb),
 }
 
@@ -96,7 +98,7 @@ class TestTierConformance:
 
 
 
-PERSISTENT = ["mmap", "rocksdb", "ssd"]
+PERSISTENT = ["mmap", "rocksdb", "ssd", "ssd-log"]
 
 
 def test_persistent_flags() -> None:
