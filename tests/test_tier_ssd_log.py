@@ -192,7 +192,7 @@ def test_layouts_do_not_open_each_other(tmp_path: Path) -> None:
     SSDTier(tmp_path / "inplace", 100, 64).close()
     with pytest.raises(CorruptStoreError, match="log"):
         SSDTier(tmp_path / "log", 100, 64)
-    with pytest.raises(CorruptStoreError, match="in-place"):
+    with pytest.raises(CorruptStoreError, match="in place"):
         LogSSDTier(tmp_path / "inplace", 100, 64)
 
 

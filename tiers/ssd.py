@@ -469,6 +469,7 @@ class SSDTier(Tier):
     persistent = True
     supports_delete = True
     _commit_file = BITMAP_FILE  # written last at creation: its presence means the tier exists
+    _other_layout = (LOG_MAP_FILE, 'open it with layout = "log"')
 
     def __init__(self, directory: str | os.PathLike[str], num_rows: int, row_bytes: int,
                  queue_depth: int = 64, *, use_io_uring: bool | None = None) -> None:
@@ -521,18 +522,25 @@ class SSDTier(Tier):
         return row_blocks
 
     def _open_files(self) -> None:
-        """Open the slab and the presence bitmap, creating both on first open."""
-        if (self.path / LOG_MAP_FILE).exists():
-            raise CorruptStoreError(f"ssd tier: {self.path} holds a log-layout tier ({LOG_MAP_FILE}); "
-                                    f"open it with layout = \"log\"")
-        if (self.path / BITMAP_FILE).exists():
-            self._bits, self._resident = self._load_bitmap()
+        """Open the slab and the row index (created on first open; the index file is the commit record)."""
+        if (self.path / self._other_layout[0]).exists():
+            raise CorruptStoreError(f"ssd tier: {self.path} holds a tier of another layout "
+                                    f"({self._other_layout[0]}); {self._other_layout[1]}")
+        if (self.path / self._commit_file).exists():
+            self._resident = self._load_index()
             self._open_slab(create=False)
         else:
             self._open_slab(create=True)
-            self._bits = np.zeros((self.num_rows + 7) // 8, dtype=np.uint8)
+            self._new_index()
             self._resident = 0
             self._write_index()
+
+    def _new_index(self) -> None:
+        self._bits = np.zeros((self.num_rows + 7) // 8, dtype=np.uint8)
+
+    def _load_index(self) -> int:
+        self._bits, count = self._load_bitmap()
+        return count
 
     def _open_slab(self, create: bool) -> None:
         path = self.path / SLAB_FILE

@@ -140,6 +140,7 @@ class LogSSDTier(SSDTier):
     """
 
     _commit_file = LOG_MAP_FILE
+    _other_layout = (BITMAP_FILE, 'it is in place: open it without layout = "log"')
 
     def _slab_blocks(self, row_blocks: int) -> int:
         self.spare_blocks = max(int(row_blocks * SPARE_SHARE), MIN_SPARE_BLOCKS)
@@ -158,17 +159,7 @@ class LogSSDTier(SSDTier):
         self._limbo: list[np.ndarray] = []
         self.cleaned_blocks = 0  # blocks the cleaner emptied
         self.moved_rows = 0  # live rows it rewrote to do so (its write cost)
-        if (self.path / BITMAP_FILE).exists():
-            raise CorruptStoreError(f"ssd tier: {self.path} holds an in-place tier ({BITMAP_FILE}); "
-                                    f"open it without layout = \"log\"")
-        if (self.path / LOG_MAP_FILE).exists():
-            self._slot_of, self._resident = self._load_map()
-            self._open_slab(create=False)
-        else:
-            self._open_slab(create=True)
-            self._slot_of = np.full(self.num_rows, -1, self._slot_dtype)
-            self._resident = 0
-            self._write_index()
+        super()._open_files()
         present = self._slot_of[self._slot_of >= 0]
         self._live = np.bincount(present // rpb, minlength=self.num_blocks).astype(np.int32)
         self._free = np.flatnonzero(self._live == 0).astype(np.int64)  # sorted; taken from the front
@@ -177,6 +168,13 @@ class LogSSDTier(SSDTier):
     def _map_header(self, resident: int, crc: int) -> bytes:
         return _MAP_HEADER.pack(_MAP_MAGIC, self.num_rows, self.row_bytes, self.block_bytes, self.num_blocks,
                                 self._slot_dtype.itemsize, resident, crc)
+
+    def _new_index(self) -> None:
+        self._slot_of = np.full(self.num_rows, -1, self._slot_dtype)
+
+    def _load_index(self) -> int:
+        self._slot_of, count = self._load_map()
+        return count
 
     def _load_map(self) -> tuple[np.ndarray, int]:
         path = self.path / LOG_MAP_FILE
