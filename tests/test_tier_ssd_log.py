@@ -187,6 +187,23 @@ def test_corrupt_slot_map_at_open(tmp_path: Path, damage: str) -> None:
         LogSSDTier(tmp_path / "t", 100, 64)
 
 
+def test_spare_share_is_read_back_from_the_slot_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slab keeps the spare it was created with, whatever SPARE_SHARE is when it is reopened."""
+    tier = LogSSDTier(tmp_path / "t", 100_000, 64)
+    ids = np.arange(0, 100_000, 3, dtype=np.int64)
+    tier.put(ids, rows_for(ids, 64, 1))
+    blocks = tier.num_blocks
+    tier.close()
+    monkeypatch.setattr(ssd_log, "SPARE_SHARE", 0.5)
+    again = LogSSDTier(tmp_path / "t", 100_000, 64)
+    assert again.num_blocks == blocks
+    check_all(again, {int(i): r for i, r in zip(ids, rows_for(ids, 64, 1))})
+    again.close()
+    fresh = LogSSDTier(tmp_path / "new", 100_000, 64)
+    assert fresh.num_blocks > blocks  # a new slab takes the new share
+    fresh.close()
+
+
 def test_layouts_do_not_open_each_other(tmp_path: Path) -> None:
     LogSSDTier(tmp_path / "log", 100, 64).close()
     SSDTier(tmp_path / "inplace", 100, 64).close()

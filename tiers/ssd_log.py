@@ -143,8 +143,19 @@ class LogSSDTier(SSDTier):
     _other_layout = (BITMAP_FILE, 'it is in place: open it without layout = "log"')
 
     def _slab_blocks(self, row_blocks: int) -> int:
-        self.spare_blocks = max(int(row_blocks * SPARE_SHARE), MIN_SPARE_BLOCKS)
-        return row_blocks + self.spare_blocks
+        """The rows' blocks plus spare ones: as many as an existing slab was created with (its slot map
+        says), so a later change of SPARE_SHARE still opens it; else SPARE_SHARE of them."""
+        total = row_blocks + max(int(row_blocks * SPARE_SHARE), MIN_SPARE_BLOCKS)
+        try:
+            with open(self.path / LOG_MAP_FILE, "rb") as f:
+                head = f.read(_MAP_HEADER.size)
+            if len(head) == _MAP_HEADER.size and head[:8] == _MAP_MAGIC:
+                stored = _MAP_HEADER.unpack(head)[4]
+                total = stored if stored > row_blocks else total  # a damaged header is reported by the load
+        except FileNotFoundError:
+            pass
+        self.spare_blocks = total - row_blocks
+        return total
 
     # -- files -------------------------------------------------------------------
     def _open_files(self) -> None:
@@ -173,10 +184,7 @@ class LogSSDTier(SSDTier):
         self._slot_of = np.full(self.num_rows, -1, self._slot_dtype)
 
     def _load_index(self) -> int:
-        self._slot_of, count = self._load_map()
-        return count
-
-    def _load_map(self) -> tuple[np.ndarray, int]:
+        """Read and check slots.bin into the slot map; returns the present rows."""
         path = self.path / LOG_MAP_FILE
         data = path.read_bytes()
         if len(data) < _MAP_HEADER.size:
@@ -200,7 +208,8 @@ class LogSSDTier(SSDTier):
             raise CorruptStoreError(f"ssd tier: {path} gives row {bad} an invalid or shared slot")
         if count != resident:
             raise CorruptStoreError(f"ssd tier: {path} counts {resident} rows but maps {count}")
-        return slot_of, count
+        self._slot_of = slot_of
+        return count
 
     def _write_index(self) -> None:
         """Commit the slot map; blocks emptied before it are free from now on."""
