@@ -48,6 +48,10 @@ Why this I/O engine (pyuring 0.3.0 studied, see ``pyuring/native/uring_ctx.py``)
   shape calls libc ``pread``/``pwrite`` (one at a time). Where the file system
   refuses O_DIRECT the slab is opened buffered. Each fallback is logged once.
 
+This module is the ``in_place`` layout. ``layout = "log"`` (``tiers/ssd_log.py``)
+subclasses it: same slab, engine and reads, but writes append to free blocks
+and a slot map (``slots.bin``) replaces the presence bitmap.
+
 Durability: ``put`` writes blocks in place (read-modify-write for blocks it
 does not fully cover and that hold other present rows), then marks presence in
 memory. ``flush`` fdatasyncs the slab, then replaces ``present.bin``

@@ -43,7 +43,6 @@ from numba import njit
 
 from embstore.arrays import Ids, Mask, RowBytes
 from embstore.errors import CorruptStoreError, DiskFullError, tier_io_error
-from embstore.tiers import ssd as _ssd
 from embstore.tiers.ssd import BITMAP_FILE, LOG_MAP_FILE, SSDTier
 
 SPARE_SHARE = 0.25  # spare blocks, as a share of the blocks the rows fill
@@ -216,23 +215,10 @@ class LogSSDTier(SSDTier):
         body = self._slot_of.astype(self._slot_dtype.newbyteorder("<"), copy=False).data
         crc = zlib.crc32(body, zlib.crc32(self._map_header(self._resident, 0)))
         self._replace_file(LOG_MAP_FILE, (self._map_header(self._resident, crc), body))
-        if getattr(self, "_limbo", None):
-            emptied = np.concatenate(self._limbo)
-            self._limbo = []
-            emptied = emptied[self._live[emptied] == 0]  # a block may have been emptied, reused, emptied again
-            self._free = np.union1d(self._free[self._free_head:], emptied)
+        if self._limbo:  # limbo blocks hold no live row and are never written before this commit
+            self._free = np.union1d(self._free[self._free_head:], np.concatenate(self._limbo))
             self._free_head = 0
-
-    def _checkpoint(self) -> None:
-        """flush() from inside a write: the cleaner's emptied blocks become free only after a commit."""
-        try:
-            if self._dirty_slab:
-                _ssd._fdatasync(self._fd)
-                self._dirty_slab = False
-            self._write_index()
-            self._dirty_bits = False
-        except OSError as exc:
-            raise tier_io_error("ssd", "flush", exc) from exc
+            self._limbo = []
 
     # -- Tier API ----------------------------------------------------------------
     def _locate(self, ids: Ids) -> tuple[np.ndarray, Mask]:
@@ -240,10 +226,7 @@ class LogSSDTier(SSDTier):
         return slots, slots >= 0
 
     def _write(self, ids: Ids, rows: RowBytes) -> None:
-        ids, rows = _last_writes(ids, rows)
-        step = self._piece_blocks * self.rows_per_block
-        for lo in range(0, len(ids), step):
-            self._append(ids[lo:lo + step], rows[lo:lo + step], cleaning=False)
+        self._append(*_last_writes(ids, rows), cleaning=False)
 
     def delete(self, ids: Ids) -> None:
         """Mark rows absent (durable at the next flush); their slots are reclaimed like overwritten ones."""
@@ -262,7 +245,13 @@ class LogSSDTier(SSDTier):
         return len(self._free) - self._free_head
 
     def _append(self, ids: np.ndarray, rows: np.ndarray, cleaning: bool) -> None:
-        """Write ``rows`` (unique ``ids``) into free blocks, whole blocks and no reads, then repoint the map."""
+        """Write ``rows`` (unique ``ids``) into free blocks, a piece of at most ``_piece_blocks`` at a time."""
+        step = self._piece_blocks * self.rows_per_block
+        for lo in range(0, len(ids), step):
+            self._append_piece(ids[lo:lo + step], rows[lo:lo + step], cleaning)
+
+    def _append_piece(self, ids: np.ndarray, rows: np.ndarray, cleaning: bool) -> None:
+        """Write whole free blocks, no reads, then repoint the map; the cleaner's moves skip the reserve."""
         rpb = self.rows_per_block
         need = -(-len(ids) // rpb)
         if not cleaning:
@@ -291,13 +280,13 @@ class LogSSDTier(SSDTier):
         """Get ``blocks`` free blocks: commit to free the emptied ones, clean when that is not enough."""
         while self._available() < blocks:
             if any(len(x) for x in self._limbo):
-                self._checkpoint()
+                self.flush()  # commits the map, so the emptied blocks become free
                 if self._available() >= blocks:
                     return
             if not self._clean():
                 raise DiskFullError("ssd", "clean", errno.ENOSPC,
-                                  f"the log at {self.path} cannot free {blocks} blocks "
-                                  f"({self._available()} free of {self.num_blocks})")
+                                    f"the log at {self.path} cannot free {blocks} blocks "
+                                    f"({self._available()} free of {self.num_blocks})")
 
     def _clean(self) -> bool:
         """Move the live rows of the emptiest blocks to free ones, then commit; False when nothing moved."""
@@ -321,10 +310,8 @@ class LogSSDTier(SSDTier):
         got, useful = self._get_bytes, self._get_useful
         self._read_rows(slots, np.arange(len(ids)), rows)
         self._get_bytes, self._get_useful = got, useful  # read_amplification is about get()
-        step = self._piece_blocks * rpb
-        for lo in range(0, len(ids), step):
-            self._append(ids[lo:lo + step], rows[lo:lo + step], cleaning=True)
+        self._append(ids, rows, cleaning=True)
         self.cleaned_blocks += count
         self.moved_rows += len(ids)
-        self._checkpoint()
+        self.flush()
         return True
