@@ -23,9 +23,13 @@ when the big tables' DRAM caches are full and every miss also evicts a row
 back to the ssd home, as in a long run (the output gives the least full
 cache's occupancy then); with the log layout the tiered run warms up longer,
 until every log home's cleaner has run (``--max-warmup``; the output gives
-the steps), since cleaning is part of a log's steady state. The two runs alternate ``--rounds`` times; prints
-every run's samples/s, each round's ratio and the ratio of the best of each
-(goal >= 0.7).
+the steps), since cleaning is part of a log's steady state. Both runs then
+stay alive and alternate ``--windows`` timed windows of ``--steps`` steps
+(each after a few untimed steps that refill the look-ahead queue), swapping
+which side goes first: the machine's speed drifts within a minute, so two
+long runs one after the other compare the drift as much as the stores. The
+headline ratio is total samples over total time of each side; every window's
+samples/s and the sorted window ratios are printed beside it (goal >= 0.7).
 ``--precision`` also trains a small synthetic model with float32, float16 and
 int8 rows and prints the held-out AUC of each (the precision's AUC cost).
 """
@@ -35,7 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import statistics
 import sys
 import tempfile
 import textwrap
@@ -60,45 +64,58 @@ KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 835
 DIM, ROW_BYTES = 16, (16 + 1) * 4  # float32 row + rowwise-adagrad state
 
 
-def run_config(path: Path, sizes: list[int], tiers: Any, batch: int, warmup: int, steps: int,
-               lookahead: int, imported: bool = False, max_warmup: int = 0) -> tuple[float, float, int]:
-    """(samples/s of ``steps`` timed DLRM training steps, fill of the least full partial DRAM cache when
-    timing started: 1.0 = every cache evicts, as in a long run, warm-up steps run); ``tiers(i, rows)``
-    gives table i's tiers. ``imported``: every row is written first, so misses read real rows from the
-    ssd home. Timing starts after ``warmup`` steps, or later, up to ``max_warmup``, until every log-layout
-    home has run its cleaner: a log's steady state includes cleaning, which starts once its spare
-    blocks are used up."""
-    tables = tuple(TableConfig.from_dict({"name": f"c{i}", "num_embeddings": n, "dim": DIM, "tiers": tiers(i, n)})
-                   for i, n in enumerate(sizes))
-    store = embstore.create(path, StoreConfig(tables))
-    try:
-        names = [t.name for t in tables]
-        ebc = TieredEmbeddingBagCollection(store, names, optimizer="rowwise_adagrad", lr=0.05, lookahead=lookahead)
+class Run:
+    """One live DLRM training run over its own store: built once, then stepped window by window.
+
+    Both sides stay alive for the whole benchmark so their timed windows can
+    alternate many times: this machine's speed drifts by tens of percent
+    within a minute, and a pair of single long runs read the drift as a
+    difference between the configurations.
+    """
+
+    def __init__(self, path: Path, sizes: list[int], tiers: Any, batch: int, lookahead: int, imported: bool,
+                 num_batches: int) -> None:
+        """``tiers(i, rows)`` gives table i's tiers; ``imported``: every row is written first (as after
+        ``embstore import``), so misses read real rows from the ssd home."""
+        tables = tuple(TableConfig.from_dict({"name": f"c{i}", "num_embeddings": n, "dim": DIM,
+                                              "tiers": tiers(i, n)}) for i, n in enumerate(sizes))
+        self.store = embstore.create(path, StoreConfig(tables))
+        self.ebc = TieredEmbeddingBagCollection(self.store, [t.name for t in tables], optimizer="rowwise_adagrad",
+                                                lr=0.05, lookahead=lookahead)
         if imported:
-            import_rows(ebc.tables)
-            store.flush()
+            import_rows(self.ebc.tables)
+            self.store.flush()
         torch.manual_seed(0)
-        model = DLRM(ebc, len(names), DIM, 13, [512, 256, 64, 16], [512, 256, 1])
-        opt = dense_optimizer("adagrad", model.dense_parameters(), 0.01)
-        data = SyntheticClicks(tuple(sizes), batch, max(warmup, max_warmup) + steps, zipf_alpha=1.05, seed=1)
-        t0, fill, start = 0.0, 1.0, -1
-        batches = ebc.pipeline(data, sparse=ClickBatch.sparse)
-        for i, b in enumerate(batches):
-            if start < 0 and i >= warmup and (i >= max_warmup or logs_cleaned(ebc.tables)):
-                fill, start = cache_fill(ebc.tables), i
-                t0 = time.perf_counter()
-            if start >= 0 and i == start + steps:
-                break
-            loss = F.binary_cross_entropy_with_logits(model(b.dense, b.ids, b.offsets), b.labels)
-            opt.zero_grad()
+        self.model = DLRM(self.ebc, len(tables), DIM, 13, [512, 256, 64, 16], [512, 256, 1])
+        self.opt = dense_optimizer("adagrad", self.model.dense_parameters(), 0.01)
+        data = SyntheticClicks(tuple(sizes), batch, num_batches, zipf_alpha=1.05, seed=1)
+        self.batches = self.ebc.pipeline(data, sparse=ClickBatch.sparse)
+        self.done = 0
+
+    def step(self, n: int) -> float:
+        """Train ``n`` steps; returns their wall seconds."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            b = next(self.batches)
+            loss = F.binary_cross_entropy_with_logits(self.model(b.dense, b.ids, b.offsets), b.labels)
+            self.opt.zero_grad()
             loss.backward()
-            opt.step()
-        elapsed = time.perf_counter() - t0
-        batches.close()
-        ebc.release()
-        return steps * batch / elapsed, fill, start
-    finally:
-        store.close()
+            self.opt.step()
+        self.done += n
+        return time.perf_counter() - t0
+
+    def warm(self, steps: int, max_steps: int = 0) -> int:
+        """Untimed steps: ``steps``, then more, up to ``max_steps``, until every log-layout home has run its
+        cleaner (a log's steady state includes cleaning, which starts once its spare blocks are used up)."""
+        self.step(steps)
+        while self.done < max_steps and not logs_cleaned(self.ebc.tables):
+            self.step(10)
+        return self.done
+
+    def close(self) -> None:
+        self.batches.close()
+        self.ebc.release()
+        self.store.close()
 
 
 def logs_cleaned(tables: list[Any]) -> bool:
@@ -205,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-warmup", type=int, default=None,
                    help="with --layout log, the tiered run warms up beyond --warmup until every log home has "
                         "run its cleaner, up to this many steps (default 6000, quick 0)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="alternate the two runs this many times and compare the best of each (default 2)")
+    p.add_argument("--windows", type=int, default=None,
+                   help="timed windows per side; the two live runs alternate window by window (default 8, quick 2)")
     p.add_argument("--cold", action="store_true",
                    help="start from fresh tables (rows at their initial values, nothing on disk yet) instead of "
                         "tables whose every row was written first, as after `embstore import`")
@@ -223,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     cap = args.cap or (100_000 if args.quick else max(KAGGLE))
     steps = args.steps or (10 if args.quick else 60)
+    args.windows = args.windows or (2 if args.quick else 8)
     warmup = args.warmup if args.warmup is not None else (4 if args.quick else 250)
     sizes = [min(n, cap) for n in KAGGLE]
     if args.max_warmup is None:
@@ -252,33 +270,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 [{"kind": "ssd", "layout": layout}]
         dram_bytes = sum(cache_rows) * ROW_BYTES
         map_bytes = slot_maps(cache_rows)
-        runs: dict[str, list[float]] = {"dram": [], "ssd": []}
-        fills: list[float] = []
-        warm_steps: list[int] = []
-        for r in range(args.rounds):  # alternate, so a slow spell of the machine hits both sides
-            for name, tiers in (("dram", all_dram), ("ssd", tiered)):
-                path = root / f"{name}{r}"
-                rate, fill, start = run_config(path, sizes, tiers, args.batch, warmup, steps, args.lookahead,
-                                               not args.cold, args.max_warmup if name == "ssd" else 0)
-                runs[name].append(rate)
-                if name == "ssd":
-                    fills.append(fill)
-                    warm_steps.append(start)
-                shutil.rmtree(path, ignore_errors=True)
-        dram_rate, ssd_rate = max(runs["dram"]), max(runs["ssd"])
+        settle = args.lookahead + 2  # untimed steps before each window: the look-ahead queue refills
+        num_batches = max(warmup, args.max_warmup) + 10 + args.windows * (steps + settle) + args.lookahead + 1
+        runs = {"dram": Run(root / "dram", sizes, all_dram, args.batch, args.lookahead, not args.cold, num_batches),
+                "ssd": Run(root / "ssd", sizes, tiered, args.batch, args.lookahead, not args.cold, num_batches)}
+        try:
+            runs["dram"].warm(warmup)
+            ssd_warm = runs["ssd"].warm(warmup, args.max_warmup)
+            fill = cache_fill(runs["ssd"].ebc.tables)
+            secs: dict[str, list[float]] = {"dram": [], "ssd": []}
+            for w in range(args.windows):  # alternate, and swap who goes first, so drift hits both sides
+                for name in (("dram", "ssd") if w % 2 == 0 else ("ssd", "dram")):
+                    runs[name].step(settle)
+                    secs[name].append(runs[name].step(steps))
+            io = runs["ssd"].ebc.stats()
+        finally:
+            for run in runs.values():
+                run.close()
+        rate = {k: [steps * args.batch / t for t in v] for k, v in secs.items()}
+        total = {k: steps * args.batch * len(v) / sum(v) for k, v in secs.items()}
+        window_ratios = sorted(s / d for s, d in zip(rate["ssd"], rate["dram"]))
         result: dict[str, Any] = {
             "rows": sum(sizes), "table_bytes": total_bytes, "placement": args.placement,
             "start": "cold" if args.cold else "imported",
             "dram_cache_bytes": dram_bytes, "dram_cache_share": round(dram_bytes / total_bytes, 4),
             "ssd_layout": args.layout, "ssd_slot_map_bytes": map_bytes,
             "dram_cache_plus_maps_share": round((dram_bytes + map_bytes) / total_bytes, 4),
-            "tables_whole_in_dram": sum(r >= n for r, n in zip(cache_rows, sizes)), "batch": args.batch, "steps": steps,
-            "rounds": args.rounds, "dram_runs": [round(x) for x in runs["dram"]],
-            "ssd_runs": [round(x) for x in runs["ssd"]],
-            "round_ratios": [round(s / d, 3) for s, d in zip(runs["ssd"], runs["dram"])],
-            "dram_cache_fill_at_timing": [round(f, 3) for f in fills], "ssd_warmup_steps": warm_steps,
-            "dram_samples_per_s": round(dram_rate), "ssd_samples_per_s": round(ssd_rate),
-            "ratio_ssd_over_dram": round(ssd_rate / dram_rate, 3), "goal": 0.7}
+            "tables_whole_in_dram": sum(r >= n for r, n in zip(cache_rows, sizes)), "batch": args.batch,
+            "steps_per_window": steps, "windows": args.windows, "ssd_warmup_steps": ssd_warm,
+            "dram_cache_fill_at_timing": round(fill, 3),
+            "dram_window_samples_per_s": [round(x) for x in rate["dram"]],
+            "ssd_window_samples_per_s": [round(x) for x in rate["ssd"]],
+            "window_ratios_sorted": [round(x, 3) for x in window_ratios],
+            "median_window_ratio": round(float(statistics.median(window_ratios)), 3),
+            "ssd_stall_s": round(io["stall_s"], 2), "ssd_demand_misses": io["demand_misses"],
+            "dram_samples_per_s": round(total["dram"]), "ssd_samples_per_s": round(total["ssd"]),
+            "ratio_ssd_over_dram": round(total["ssd"] / total["dram"], 3), "goal": 0.7}
         if args.precision:
             result["auc_by_row_dtype"] = {k: round(v, 4) for k, v in precision_auc(root / "prec").items()}
     print(json.dumps(result, indent=1))
