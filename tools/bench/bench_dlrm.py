@@ -260,8 +260,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return sum(4 * n for r, n in zip(rows, sizes) if r < n) if args.layout == "log" else 0
 
         cache_rows, policies = place(total_bytes // 10)
-        if args.maps_in_budget:  # the caches get what the slot maps leave of the budget
-            cache_rows, policies = place(total_bytes // 10 - slot_maps(cache_rows))
+        maps = 0
+        while args.maps_in_budget and sum(cache_rows) * ROW_BYTES + slot_maps(cache_rows) > total_bytes // 10:
+            # the caches get what the slot maps leave of the budget; a smaller budget can leave one more
+            # table cached in part, whose map then counts too: repeat until caches + maps fit
+            maps = max(maps + (1 << 20), slot_maps(cache_rows))
+            cache_rows, policies = place(total_bytes // 10 - maps)
 
         def tiered(i: int, n: int) -> list[dict[str, Any]]:
             rows = cache_rows[i]
