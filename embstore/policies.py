@@ -545,7 +545,10 @@ class DirectDirectory:
         self._bits = np.zeros(0, np.uint64)
 
     def count_resident(self, keys: Ids) -> int:
-        """Number of distinct ``keys`` if every one is resident, else -1 (no dedup array needed)."""
+        """Number of distinct ``keys`` if every one is resident, else -1 (no dedup array needed).
+
+        Keys outside ``[0, capacity)`` also give -1, so a caller may pass ids it
+        has not range-checked and validate them only on the slow path."""
         if len(self._bits) == 0:
             self._bits = np.zeros((self.capacity + 63) // 64, np.uint64)
         full = self._resident == self.capacity
@@ -582,14 +585,16 @@ class DirectDirectory:
 
 @numba.njit(cache=True, nogil=True)
 def _count_unique_present(keys, present, check_present, bits):
-    """Distinct keys if all are present, else -1. ``bits`` (one bit per row, all zero between calls) is
-    small enough to stay in cache, unlike a per-row stamp array. Afterwards the bitmap is zeroed whole
-    when that is the cheaper pass (a sequential memset against a second random pass over the keys)."""
+    """Distinct keys if all are present (and inside ``present``), else -1. ``bits`` (one bit per row, all
+    zero between calls) is small enough to stay in cache, unlike a per-row stamp array. Afterwards the
+    bitmap is zeroed whole when that is the cheaper pass (a sequential memset against a second random
+    pass over the keys). The range check rides along, so the caller needs no min/max pass of its own."""
     n = 0
     stop = keys.shape[0]
+    size = present.shape[0]
     for i in range(keys.shape[0]):
         k = keys[i]
-        if check_present and not present[k]:
+        if k < 0 or k >= size or (check_present and not present[k]):
             n = -1
             stop = i
             break

@@ -117,7 +117,8 @@ class Table:
         return None
 
     def _resident_slab(self, rows: np.ndarray) -> np.ndarray | None:
-        """The top tier's float32 slab when it holds every one of ``rows`` (a full-table DRAM tier).
+        """The top tier's float32 slab when it holds every one of ``rows`` (a full-table DRAM tier);
+        None also when a row is out of range (the caller's validating path then reports it).
 
         This is the fast path for DRAM-resident tables: no dedup copy, the
         bags are pooled straight out of the slab; stats still count unique rows.
@@ -171,8 +172,12 @@ class Table:
         with self._lock:
             self._check_open()
             self.lookups += len(arr)
-            rows = self.physical_rows(arr)
-            slab = self._resident_slab(rows)
+            # unhashed ids go to the resident check unvalidated: its counting pass range-checks them, and
+            # only a miss (or a bad id) takes the validating path below
+            slab = self._resident_slab(arr) if self.mapper is None else None
+            rows = arr if slab is not None else self.physical_rows(arr)
+            if slab is None and self.mapper is not None:
+                slab = self._resident_slab(rows)
             if slab is not None and slab.shape[1] == self.dim:
                 out = _torch_pool(slab, rows, offs, mode)
             elif slab is not None:  # rows + optimizer state: torch would copy the strided slab, numba pools it

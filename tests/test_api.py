@@ -211,6 +211,28 @@ def test_trained_table_held_in_dram_reads_only_its_embedding(tmp_path, mode: str
     store.close()
 
 
+@pytest.mark.parametrize("state_dim", [0, 1])
+@pytest.mark.parametrize("bad", [-1, 300, 2**40])
+def test_resident_pooled_lookup_refuses_ids_outside_the_table(tmp_path, state_dim: int, bad: int) -> None:
+    """The resident fast path range-checks ids inside its counting pass: a bad id anywhere in the batch
+    raises the same error as everywhere else, and counts nothing."""
+    rows, dim = 300, 8
+    cfg = TableConfig("t", rows, dim, tiers=(TierConfig("dram", rows * (dim + 1) * 4), TierConfig("mmap")))
+    store = embstore.create(tmp_path / "s", StoreConfig((cfg,)))
+    t = store.ensure_state_dim("t", 1) if state_dim else store["t"]
+    t.write_physical(np.arange(rows, dtype=np.int64), np.ones((rows, dim), np.float32))
+    assert t.full_dram_tier() is not None
+    before = t.stats()["dram"]["hits"]
+    ids = np.array([5, 6, bad, 7], np.int64)
+    with pytest.raises(embstore.IdOutOfRangeError, match=f"id {bad} outside"):
+        t.lookup_pooled(ids, np.array([0, 2, 4], np.int64))
+    assert t.stats()["dram"]["hits"] == before
+    np.testing.assert_array_equal(t.lookup_pooled(np.array([5, 6, 6, 299], np.int64), np.array([0, 2, 4])),
+                                  np.full((2, dim), 2.0, np.float32))
+    assert t.stats()["dram"]["hits"] == before + 3
+    store.close()
+
+
 def test_learned_hash_table_is_self_contained(tmp_path) -> None:
     from embstore.hashing import LearnedHash
 

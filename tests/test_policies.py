@@ -252,6 +252,19 @@ def test_count_resident_counts_distinct_keys(capacity: int, raw: list[int], repe
     assert d.count_resident(keys) == (-1 if len(keys) else 0) and not d._bits.any()
 
 
+@pytest.mark.parametrize("bad", [-1, -(2**40), 10, 2**40])
+def test_count_resident_refuses_keys_outside_the_table(bad: int) -> None:
+    """The count is the resident fast path's only pass over unvalidated ids: an id outside the table
+    must give -1 (the caller then raises), never a read outside the presence arrays, and leave the
+    bitmap clear."""
+    d = DirectDirectory(10)
+    d.access(np.arange(10, dtype=np.int64))
+    keys = np.array([1, 2, bad, 3], np.int64)
+    assert d.count_resident(keys) == -1
+    assert not d._bits.any()
+    assert d.count_resident(np.array([1, 2, 2, 9], np.int64)) == 3
+
+
 @given(st.integers(0, 2**63 - 1))
 def test_mix64_matches_python_reference(x: int) -> None:
     assert int(mix64(np.uint64(x))) == py_mix64(x)

@@ -17,15 +17,23 @@ def zipf_ids(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.nd
     return perm[np.minimum(np.searchsorted(cdf, rng.random(n)), rows - 1)].astype(np.int64)
 
 
-def best_rate(fn: Callable[[], object], items: int, repeats: int) -> float:
-    """Items per second of the fastest of ``repeats`` runs (after one warm-up)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return items / best
+def best_rates(fns: dict[str, Callable[[], object]], items: int, repeats: int) -> dict[str, float]:
+    """Items per second of each function's fastest of ``repeats`` runs (after one warm-up each).
+
+    The functions take turns, in an order that rotates every repeat, so a slow
+    spell of this noisy machine lands on all of them rather than on whichever
+    happened to run its repeats then.
+    """
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    best = dict.fromkeys(names, float("inf"))
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: items / t for name, t in best.items()}
 
 
 def import_rows(tables, seed: int = 1, chunk: int = 1 << 20) -> None:
