@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -81,11 +82,21 @@ def as_offsets(offsets: Any, num_ids: int) -> Offsets:
         raise InvalidOffsetsError(f"offsets[0] must be 0, got {int(arr[0])}")
     if arr[-1] != num_ids:
         raise InvalidOffsetsError(f"offsets[-1] must equal len(ids) = {num_ids}, got {int(arr[-1])}")
-    if len(arr) > 1 and np.any(np.diff(arr) < 0):
-        i = int(np.argmax(np.diff(arr) < 0))
+    i = _first_decrease(arr)
+    if i >= 0:
         raise InvalidOffsetsError(f"offsets must be non-decreasing; offsets[{i}] = {int(arr[i])} > "
                                   f"offsets[{i + 1}] = {int(arr[i + 1])}")
     return np.ascontiguousarray(arr)
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_decrease(offsets: Offsets) -> int:
+    """Index i of the first ``offsets[i] > offsets[i + 1]``, or -1 (one pass, no temporaries: this
+    check ran on every pooled lookup and cost as much as the rest of its validation)."""
+    for i in range(offsets.shape[0] - 1):
+        if offsets[i + 1] < offsets[i]:
+            return i
+    return -1
 
 
 def as_rows(rows: Any, n: int, dim: int) -> tuple[Rows, bool]:

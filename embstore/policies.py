@@ -542,17 +542,33 @@ class DirectDirectory:
         self.capacity = int(num_rows)
         self.present = np.zeros(num_rows, np.bool_)
         self._resident = 0
-        self._bits = np.zeros(0, np.uint64)
+        self._bits = np.zeros((0, 0), np.uint64)
 
-    def count_resident(self, keys: Ids) -> int:
+    @property
+    def full(self) -> bool:
+        """Every row is resident (then no key needs its ``present`` flag checked)."""
+        return self._resident == self.capacity
+
+    def marks(self, threads: int) -> np.ndarray:
+        """Scratch bitmaps for counting distinct keys: one bit per row, a bitmap per thread, shape
+        (threads, words). Kept all zero between calls (the kernels using it clear what they set)."""
+        if self._bits.shape[0] < threads:
+            self._bits = np.zeros((threads, (self.capacity + 63) // 64), np.uint64)
+        return self._bits[:threads]
+
+    def count_resident(self, keys: Ids, threads: int = 1) -> int:
         """Number of distinct ``keys`` if every one is resident, else -1 (no dedup array needed).
 
         Keys outside ``[0, capacity)`` also give -1, so a caller may pass ids it
-        has not range-checked and validate them only on the slow path."""
-        if len(self._bits) == 0:
-            self._bits = np.zeros((self.capacity + 63) // 64, np.uint64)
-        full = self._resident == self.capacity
-        return int(_count_unique_present(keys, self.present, not full, self._bits))
+        has not range-checked and validate them only on the slow path. With
+        ``threads`` > 1 (numba set to as many, ``embstore.kernels.kernel_threads``)
+        each thread marks a share of the keys in a bitmap of its own: 1.11-1.15
+        -> 0.81 ms for 8 x 82k ids on two cores.
+        """
+        marks = self.marks(threads)
+        if threads == 1:
+            return int(_count_resident_serial(keys, self.present, not self.full, marks))
+        return int(_count_resident_parallel(keys, self.present, not self.full, marks))
 
     @property
     def resident(self) -> int:
@@ -583,31 +599,92 @@ class DirectDirectory:
         return np.flatnonzero(self.present)
 
 
-@numba.njit(cache=True, nogil=True)
-def _count_unique_present(keys, present, check_present, bits):
-    """Distinct keys if all are present (and inside ``present``), else -1. ``bits`` (one bit per row, all
-    zero between calls) is small enough to stay in cache, unlike a per-row stamp array. Afterwards the
-    bitmap is zeroed whole when that is the cheaper pass (a sequential memset against a second random
-    pass over the keys). The range check rides along, so the caller needs no min/max pass of its own."""
-    n = 0
-    stop = keys.shape[0]
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mark_resident(keys, lo, hi, present, check_present, bits):
+    """Set the bit of each of keys[lo:hi] in ``bits`` (branch-free: repeated keys would mispredict);
+    stops at a key outside ``present`` or, with ``check_present``, not resident. Returns where it
+    stopped (``hi`` when every key is resident)."""
     size = present.shape[0]
-    for i in range(keys.shape[0]):
+    for i in range(lo, hi):
         k = keys[i]
         if k < 0 or k >= size or (check_present and not present[k]):
-            n = -1
-            stop = i
-            break
-        w = k >> 6
-        bit = np.uint64(1) << np.uint64(k & 63)
-        n += (bits[w] & bit) == 0  # branch-free: repeated ids would mispredict
-        bits[w] |= bit
-    if stop * 16 >= bits.shape[0]:
+            return i
+        bits[k >> 6] |= np.uint64(1) << np.uint64(k & 63)
+    return hi
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _unmark(keys, lo, hi, bits):
+    """Zero what ``_mark_resident`` set for keys[lo:hi]: the whole bitmap when that is the cheaper
+    pass (a sequential memset against a random access per key)."""
+    if (hi - lo) * 16 >= bits.shape[0]:
         bits[:] = 0
     else:
-        for i in range(stop):
+        for i in range(lo, hi):
             bits[keys[i] >> 6] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_resident_serial(keys, present, check_present, bits):
+    """``DirectDirectory.count_resident`` on the calling thread (``bits`` has one row)."""
+    n = keys.shape[0]
+    stop = _mark_resident(keys, 0, n, present, check_present, bits[0])
+    if stop < n:
+        _unmark(keys, 0, stop, bits[0])
+        return -1
+    return _count_and_clear(keys, bits)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _count_resident_parallel(keys, present, check_present, bits):
+    """``DirectDirectory.count_resident`` with one share of the keys per row of ``bits``."""
+    n = keys.shape[0]
+    parts = bits.shape[0]
+    stops = np.empty(parts, np.int64)
+    for p in numba.prange(parts):
+        stops[p] = _mark_resident(keys, n * p // parts, n * (p + 1) // parts, present, check_present, bits[p])
+    failed = False
+    for p in range(parts):
+        if stops[p] < n * (p + 1) // parts:
+            failed = True
+    if failed:
+        for p in range(parts):
+            _unmark(keys, n * p // parts, stops[p], bits[p])
+        return -1
+    return _count_and_clear(keys, bits)
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_and_clear(keys, bits):
+    """Distinct keys marked in the OR of ``bits``' rows, which are left all zero. Sweeps the whole
+    bitmap when that is cheaper than revisiting the keys' words (a random access each)."""
+    parts, words = bits.shape
+    n = 0
+    if keys.shape[0] * 4 >= words * parts:
+        for w in range(words):
+            m = np.uint64(0)
+            for p in range(parts):
+                m |= bits[p, w]
+                bits[p, w] = 0
+            n += _popcount(m)
+    else:
+        for i in range(keys.shape[0]):
+            w = keys[i] >> 6
+            m = np.uint64(0)
+            for p in range(parts):
+                m |= bits[p, w]
+                bits[p, w] = 0
+            n += _popcount(m)
     return n
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _popcount(x):
+    """Set bits of a uint64 (the SWAR sum, which LLVM turns into one popcnt)."""
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
 
 
 @numba.njit(cache=True, nogil=True)

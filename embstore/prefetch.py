@@ -24,19 +24,28 @@ PREFETCH_DISTANCE = 8  # rows ahead: 2-8 measured alike, 16 slower (bags of 20 r
 _LINE_FLOATS = 16  # float32 per 64-byte cache line
 
 
-def _codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-    """``llvm.prefetch`` of ``&arr[idx...]`` (rw=1: the line will be written, locality 3: keep it cached)."""
-    aryty = signature.args[0]
-    ary = context.make_array(aryty)(context, builder, args[0])
-    idx = [context.cast(builder, a, t, types.intp) for a, t in zip(args[1:], signature.args[1:])]
-    ptr = cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
-                                    cgutils.unpack_tuple(builder, ary.strides), aryty.layout, idx)
-    i8p = ir.IntType(8).as_pointer()
-    i32 = ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        _INTRINSIC)
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-    return context.get_dummy_value()
+def _prefetch_codegen(rw: int):  # type: ignore[no-untyped-def]
+    """Code for ``llvm.prefetch`` of ``&arr[idx...]``: rw=1 the line will be written, 0 only read;
+    locality 3: keep it in every cache level."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = [context.cast(builder, a, t, types.intp) for a, t in zip(args[1:], signature.args[1:])]
+        ptr = cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
+                                        cgutils.unpack_tuple(builder, ary.strides), aryty.layout, idx)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            _INTRINSIC)
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, rw), ir.Constant(i32, 3),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return codegen
+
+
+_codegen = _prefetch_codegen(rw=1)
 
 
 @intrinsic
@@ -49,6 +58,12 @@ def prefetch_cell(typingctx, arr, row, col):  # type: ignore[no-untyped-def]
 def prefetch_at(typingctx, arr, i):  # type: ignore[no-untyped-def]
     """Prefetch ``arr[i]`` of a 1-D array (no bounds check: any index is harmless, it is only a hint)."""
     return types.void(arr, i), _codegen
+
+
+@intrinsic
+def prefetch_read(typingctx, arr, row, col):  # type: ignore[no-untyped-def]
+    """Prefetch ``arr[row, col]`` of a 2-D array for reading (pooling only reads its rows)."""
+    return types.void(arr, row, col), _prefetch_codegen(rw=0)
 
 
 @numba.njit(cache=True, inline="always")

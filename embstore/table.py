@@ -18,7 +18,7 @@ from embstore.arrays import Ids, as_ids, as_offsets, as_rows
 from embstore.config import RowDType, TableConfig
 from embstore.errors import IdOutOfRangeError, InvalidInputError, StoreClosedError
 from embstore.hierarchy import Hierarchy
-from embstore.kernels import gather_rows, pool, pool_rows, unique_inverse, unique_last
+from embstore.kernels import gather_rows, kernel_threads, pool, pool_rows, unique_inverse, unique_last
 from embstore.policies import DirectDirectory
 from embstore.tiers.cache import DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
@@ -130,7 +130,8 @@ class Table:
         if (top is None or not isinstance(top.directory, DirectDirectory) or not isinstance(top, DRAMTier)
                 or self.format.dtype is not RowDType.FLOAT32 or rows.ndim != 1 or self.recorder is not None):
             return None
-        n = top.directory.count_resident(rows)
+        with kernel_threads(len(rows)) as threads:
+            n = top.directory.count_resident(rows, threads)
         if n < 0:
             return None
         top.counters.hits += n

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from embstore.arrays import HUGE_PAGE, aligned_zeros
 from embstore.hierarchy import Hierarchy
-from embstore.kernels import gather_rows, pool, unique_inverse, unique_inverse_each, unique_last
+from embstore.kernels import gather_rows, pool, pool_rows, unique_inverse, unique_inverse_each, unique_last
 from embstore.tiers.base import Tier
 from kernel_threads import kernel_path
 from embstore.tiers.cache import DeviceTier, DRAMTier
@@ -178,6 +178,28 @@ def test_pool_matches_numpy(idx: list[int], data, parallel: bool) -> None:
             bag = rows[idx[offsets[b]:offsets[b + 1]]]
             want = np.zeros(4, np.float32) if len(bag) == 0 else (bag.sum(0) if mode == "sum" else bag.mean(0))
             np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 39), max_size=200), st.data(), st.integers(0, 3), st.booleans(),
+       st.sampled_from(["sum", "mean"]))
+def test_pool_rows_equals_torch_embedding_bag_bit_for_bit(idx: list[int], data, extra: int, parallel: bool,
+                                                          mode: str) -> None:
+    """The pooling kernel adds four rows per step but in torch's order, so its sums are torch's to the
+    bit; bags long and short, split between threads, over slab rows that carry extra columns."""
+    import torch
+
+    dim = 5
+    slab = np.random.default_rng(len(idx)).standard_normal((40, dim + extra)).astype(np.float32)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(idx)), max_size=8)))
+    offsets = np.array([0, *cuts, len(idx)], np.int64)
+    ids = np.array(idx, np.int64)
+    out = np.full((len(offsets) - 1, dim), np.nan, np.float32)
+    with kernel_path(parallel):
+        pool_rows(slab, ids, offsets, mode == "mean", out)
+    want = torch.nn.functional.embedding_bag(torch.from_numpy(ids), torch.from_numpy(slab[:, :dim].copy()),
+                                             torch.from_numpy(offsets[:-1]), mode=mode).numpy()
+    np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("shape,dtype", [((3, 7), np.uint8), ((1000, 64), np.float32), ((9000, 256), np.uint8)])

@@ -772,5 +772,6 @@ def test_disk_and_directory_kernels_release_the_gil() -> None:
     from embstore.tiers import ssd
 
     kernels = [ssd._uring_kernel, ssd._pio_kernel, policies._access_kernel, policies._lookup_kernel,
-               policies._remove_kernel, policies._count_unique_present]
+               policies._remove_kernel, policies._count_resident_serial,
+               policies._count_resident_parallel]
     assert [k.py_func.__name__ for k in kernels if not k.targetoptions.get("nogil")] == []
