@@ -7,16 +7,18 @@ Both sides train the same float32 rows on the same uniform ids with
 EXACT_ROWWISE_ADAGRAD: ours is ``TieredEmbeddingBagCollection`` over a store
 whose DRAM tier holds every row (+ its state column) above an mmap home;
 fbgemm is ``SplitTableBatchedEmbeddingBagsCodegen`` (HOST, CPU), one TBE for
-all tables. Figure: looked-up ids per second, best of ``--repeats`` steps
-after warm-up, and the ratio ours / fbgemm (goal >= 3x).
+all tables. Both stay alive and take turns, one step each, ``--repeats`` timed
+steps a side after warm-up (each step on the next of a few id batches).
+Figure: looked-up ids per second of each side's fastest step, and the ratio
+ours / fbgemm (goal >= 3x).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import os
 import tempfile
-import time
 
 import numpy as np
 import torch
@@ -25,17 +27,8 @@ import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.training import TieredEmbeddingBagCollection, state_dim
 
-
-def best_step(step, repeats: int) -> float:
-    """Seconds of the fastest of ``repeats`` steps (after two warm-ups)."""
-    step(0)
-    step(1)
-    best = float("inf")
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        step(2 + r)
-        best = min(best, time.perf_counter() - t0)
-    return best
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import best_rates  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -46,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--pooling", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps of each side (default 5)")
     args = ap.parse_args(argv)
     rows = args.rows or (100_000 if args.quick else 1_000_000)
     T, B, L, D = args.tables, args.batch, args.pooling, args.dim
@@ -58,6 +51,10 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"rows": rows, "tables": T, "batch": B, "pooling": L, "ids_per_step": T * n,
                      "torch_threads": torch.get_num_threads()}
 
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, EmbeddingLocation, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
+
     with tempfile.TemporaryDirectory() as tmp:
         row_bytes = 4 * (D + state_dim("rowwise_adagrad", D))
         cfgs = tuple(TableConfig(f"t{i}", rows, D, tiers=(TierConfig("dram", rows * row_bytes), TierConfig("mmap")))
@@ -68,31 +65,31 @@ def main(argv: list[str] | None = None) -> dict:
             store[f"t{i}"].write_with_state(np.arange(rows, dtype=np.int64),
                                             rng.standard_normal((rows, D), dtype=np.float32),
                                             np.zeros((rows, 1), np.float32))
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(rows, D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T,
+            optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8,
+            pooling_mode=PoolingMode.SUM, device=torch.device("cpu"))
+        all_offs = torch.arange(0, T * n + 1, L, dtype=torch.int64)
+        cat_ids = [torch.cat(s) for s in steps]
+        turn = {"ours": 0, "fbgemm": 0}
 
-        def ours(s: int) -> None:
+        def ours() -> None:  # each call trains on the next batch of ``steps``
+            s = turn["ours"] = (turn["ours"] + 1) % len(steps)
             out = ebc(steps[s], [offs] * T)
             (out.square() * weights).sum().backward()
 
-        t_ours = best_step(ours, args.repeats)
+        def fbgemm() -> None:
+            s = turn["fbgemm"] = (turn["fbgemm"] + 1) % len(steps)
+            out = tbe(cat_ids[s], all_offs).view(B, T, D)
+            (out.square() * weights).sum().backward()
+
+        ours()  # a second warm-up each: the first steps pay first touches of the state
+        fbgemm()
+        rates = best_rates({"ours": ours, "fbgemm": fbgemm}, 1, args.repeats)
+        t_ours, t_fb = 1 / rates["ours"], 1 / rates["fbgemm"]
         ebc.release()
         store.close()
 
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice, EmbeddingLocation, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
-
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[(rows, D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T,
-        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8,
-        pooling_mode=PoolingMode.SUM, device=torch.device("cpu"))
-    all_offs = torch.arange(0, T * n + 1, L, dtype=torch.int64)
-    cat_ids = [torch.cat(s) for s in steps]
-
-    def fbgemm(s: int) -> None:
-        out = tbe(cat_ids[s], all_offs).view(B, T, D)
-        (out.square() * weights).sum().backward()
-
-    t_fb = best_step(fbgemm, args.repeats)
     results.update(ours_step_s=t_ours, fbgemm_step_s=t_fb, ours_ids_per_s=T * n / t_ours,
                    fbgemm_ids_per_s=T * n / t_fb, speedup_vs_fbgemm=t_fb / t_ours)
     print(f"train step, {T} tables x {rows} rows x dim {D}, batch {B}, pooling {L} (rowwise adagrad)")
