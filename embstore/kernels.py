@@ -147,8 +147,9 @@ POOL_PREFETCH_DISTANCE = 16
 """Ids ahead whose row's first line a pooling kernel prefetches. Pooling reads a
 row once, so one read prefetch of its first line (the core's adjacent-line
 prefetcher takes the rest) beat prefetching every line at distance 8, 16 or 32
-(throwaway sweep, 8 x 1M x 64, Zipf: 0.74x -> 0.83-0.88x of torch's fbgemm
-kernel; uniform 1.12x -> 1.19-1.24x)."""
+in a throwaway sweep (8 x 1M x 64, Zipf ids, four rows per step: 0.74x -> 0.83-0.88x
+of torch's fbgemm kernel). The whole rewrite of ``_pool_rows``: Zipf 0.56-0.58x ->
+0.99-1.10x, uniform 0.85x -> 1.05-1.07x (BENCHMARKS.md)."""
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
