@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from embstore.prefetch import PREFETCH_DISTANCE, prefetch_row
+from embstore.prefetch import PREFETCH_DISTANCE, prefetch_cell
 
 # Let LLVM reorder float sums: the row-wise mean of squared gradients is then a
 # vectorised reduction instead of a 64-add dependency chain per row (6.7x on
@@ -89,10 +89,14 @@ def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, e
 
 @numba.njit(cache=True, inline="always")
 def _prefetch_slot(rows, state, s, dim):
-    """Prefetch a slot's row and its optimizer state (inside the row when ``rows`` is a wider slab)."""
-    prefetch_row(rows, s, rows.shape[1])
+    """Prefetch the first line of a slot's row and of its optimizer state (when that is not inside the
+    row, as in a wider slab), for writing. One line a row, the core's adjacent-line prefetcher taking
+    the rest, made the fused step 1.13-1.19x faster than prefetching every line (8 x 82k ids of dim
+    64 + rowwise Adagrad state on a 1M-row slab; throwaway sweep: distance 8 and 12 alike, 24 and
+    first + last line slower)."""
+    prefetch_cell(rows, s, 0)
     if rows.shape[1] == dim and state.shape[1]:
-        prefetch_row(state, s, state.shape[1])
+        prefetch_cell(state, s, 0)
 
 
 @numba.njit(cache=True, inline="always")
