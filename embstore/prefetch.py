@@ -46,6 +46,7 @@ def _prefetch_codegen(rw: int):  # type: ignore[no-untyped-def]
 
 
 _codegen = _prefetch_codegen(rw=1)
+_read_codegen = _prefetch_codegen(rw=0)
 
 
 @intrinsic
@@ -63,7 +64,7 @@ def prefetch_at(typingctx, arr, i):  # type: ignore[no-untyped-def]
 @intrinsic
 def prefetch_read(typingctx, arr, row, col):  # type: ignore[no-untyped-def]
     """Prefetch ``arr[row, col]`` of a 2-D array for reading (pooling only reads its rows)."""
-    return types.void(arr, row, col), _prefetch_codegen(rw=0)
+    return types.void(arr, row, col), _read_codegen
 
 
 @numba.njit(cache=True, inline="always")

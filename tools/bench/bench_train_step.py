@@ -16,8 +16,8 @@ ours / fbgemm (goal >= 3x).
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import sys
 import tempfile
 
 import numpy as np
