@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from embstore.policies import mix64
-from embstore.prefetch import PREFETCH_DISTANCE, prefetch_read, prefetch_row
+from embstore.prefetch import prefetch_read
 
 
 PARALLEL_MIN_ITEMS = 16_384
@@ -143,13 +143,14 @@ def gather_rows(slab: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
         _gather_rows(slab, index, out)
 
 
-POOL_PREFETCH_DISTANCE = 16
-"""Ids ahead whose row's first line a pooling kernel prefetches. Pooling reads a
-row once, so one read prefetch of its first line (the core's adjacent-line
+READ_PREFETCH_DISTANCE = 16
+"""Ids ahead whose row's first line the pooling and gather kernels prefetch. They
+read a row once, so one read prefetch of its first line (the core's adjacent-line
 prefetcher takes the rest) beat prefetching every line at distance 8, 16 or 32
 in a throwaway sweep (8 x 1M x 64, Zipf ids, four rows per step: 0.74x -> 0.83-0.88x
 of torch's fbgemm kernel). The whole rewrite of ``_pool_rows``: Zipf 0.56-0.58x ->
-0.99-1.10x, uniform 0.85x -> 1.05-1.07x (BENCHMARKS.md)."""
+0.99-1.10x, uniform 0.85x -> 1.05-1.07x (BENCHMARKS.md). ``_gather_rows`` on a slab
+with a state column: 1.10x against every line prefetched for writing at distance 8."""
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -157,15 +158,15 @@ def _pool_bag(rows, index, lo, hi, stop, acc):
     """acc[:] = sum of rows[index[lo:hi], :len(acc)], added in order (bit-equal to torch's sums). Four
     rows per step: four independent row loads in flight and a quarter of the accumulator loads and
     stores (which go to memory: numba cannot prove ``acc`` and ``rows`` apart), the deciding cost once
-    rows miss the caches. Rows up to index[stop - 1] are prefetched ``POOL_PREFETCH_DISTANCE`` ids ahead."""
+    rows miss the caches. Rows up to index[stop - 1] are prefetched ``READ_PREFETCH_DISTANCE`` ids ahead."""
     dim = acc.shape[0]
     for d in range(dim):
         acc[d] = 0.0
     j = lo
     while j + 4 <= hi:
-        if j + POOL_PREFETCH_DISTANCE + 3 < stop:
+        if j + READ_PREFETCH_DISTANCE + 3 < stop:
             for q in range(4):
-                prefetch_read(rows, index[j + POOL_PREFETCH_DISTANCE + q], 0)
+                prefetch_read(rows, index[j + READ_PREFETCH_DISTANCE + q], 0)
         r0 = rows[index[j]]
         r1 = rows[index[j + 1]]
         r2 = rows[index[j + 2]]
@@ -216,8 +217,8 @@ def _gather_rows(slab, index, out):
     dim = out.shape[1]
     n = index.shape[0]
     for i in numba.prange(n):
-        if i + PREFETCH_DISTANCE < n:
-            prefetch_row(slab, index[i + PREFETCH_DISTANCE], dim)
+        if i + READ_PREFETCH_DISTANCE < n:
+            prefetch_read(slab, index[i + READ_PREFETCH_DISTANCE], 0)
         r = index[i]
         for d in range(dim):
             out[i, d] = slab[r, d]
