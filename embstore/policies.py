@@ -563,7 +563,7 @@ class DirectDirectory:
         has not range-checked and validate them only on the slow path. With
         ``threads`` > 1 (numba set to as many, ``embstore.kernels.kernel_threads``)
         each thread marks a share of the keys in a bitmap of its own: 1.11-1.15
-        -> 0.81 ms for 8 x 82k ids on two cores.
+        -> 0.81-0.95 ms for 8 x 82k ids on two cores (BENCHMARKS.md).
         """
         marks = self.marks(threads)
         if threads == 1:
