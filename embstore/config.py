@@ -316,6 +316,30 @@ class TableConfig:
         }
 
 
+def parse_toml(text: str) -> dict[str, Any]:
+    """TOML text -> dict; a syntax error is a ``ConfigError`` on key ``config``."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"not valid TOML: {exc}") from exc
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file -> dict; a missing, unreadable or non-UTF-8 file is a ``ConfigError`` naming it."""
+    name = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("config", f"file {name!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError("config", f"{name!r} is a directory, not a TOML file") from None
+    except PermissionError:
+        raise ConfigError("config", f"file {name!r} is not readable (permission denied)") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"file {name!r} is not UTF-8 text (byte {exc.start}), so not TOML") from None
+    return parse_toml(text)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """A whole store: its tables."""
@@ -343,16 +367,8 @@ class StoreConfig:
         """Parse a TOML file path (or TOML text when it contains a newline or '[')."""
         text = str(source)
         if isinstance(source, Path) or ("\n" not in text and "[" not in text):
-            path = Path(text)
-            try:
-                text = path.read_text()
-            except FileNotFoundError:
-                raise ConfigError("config", f"file {str(path)!r} does not exist") from None
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", f"not valid TOML: {exc}") from exc
-        return cls.from_dict(data)
+            return cls.from_dict(read_toml(text))
+        return cls.from_dict(parse_toml(text))
 
     def to_dict(self) -> dict[str, Any]:
         return {"table": [t.to_dict() for t in self.tables]}
@@ -393,5 +409,6 @@ def dumps_toml(data: Mapping[str, Any]) -> str:
 
 __all__ = [
     "ConfigError", "HashConfig", "HashKind", "InitConfig", "InitKind", "PolicyKind", "PolicySpec",
-    "RowDType", "StoreConfig", "TableConfig", "TierConfig", "TierKind", "dumps_toml", "parse_bytes",
+    "RowDType", "StoreConfig", "TableConfig", "TierConfig", "TierKind", "dumps_toml", "parse_bytes", "parse_toml",
+    "read_toml",
 ]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embstore.atomic import atomic_write
 from embstore.errors import InvalidInputError
 
 __all__ = ["CostModel", "DEFAULT_PATH", "calibrate", "default_model", "load", "save"]
@@ -83,9 +84,7 @@ class CostModel:
 def save(model: CostModel, path: str | os.PathLike | None = None) -> Path:
     p = Path(path) if path is not None else DEFAULT_PATH
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(model.to_dict(), indent=2))
-    os.replace(tmp, p)
+    atomic_write(p, json.dumps(model.to_dict(), indent=2).encode())
     return p
 
 

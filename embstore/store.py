@@ -14,7 +14,6 @@ either the old or the new version, never a torn one.
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import json
 import logging
@@ -23,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
+from embstore.atomic import atomic_write
 from embstore.config import HashKind, StoreConfig, TableConfig
 from embstore.errors import (ConfigError, CorruptStoreError, StoreClosedError, StoreExistsError,
                              StoreNotFoundError, TableExistsError, UnknownTableError)
@@ -37,25 +37,6 @@ log = logging.getLogger("embstore.store")
 FORMAT = "embstore/1"
 CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "manifest.json"
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that a crash leaves the old or the new file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with builtins.open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Store:

@@ -54,6 +54,7 @@ import numpy.typing as npt
 from numba import njit
 
 from embstore.arrays import Ids
+from embstore.atomic import atomic_file
 from embstore.belady import dedup_batches, densify
 from embstore.errors import CorruptStoreError, InvalidInputError
 from embstore.stackdist import stack_distances
@@ -186,16 +187,9 @@ def dense_keys(trace: Trace) -> tuple[Ids, int]:
 
 def save(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write the npz form (uncompressed: fast for 100M-access traces), atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, ids=trace.ids, table=trace.table, batch_offsets=trace.batch_offsets,
-                     table_names=np.array(trace.table_names, dtype=np.str_))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_file(path) as f:
+        np.savez(f, ids=trace.ids, table=trace.table, batch_offsets=trace.batch_offsets,
+                 table_names=np.array(trace.table_names, dtype=np.str_))
 
 
 def load(path: str | os.PathLike[str], *, batch_size: int | None = None, format: str | None = None) -> Trace:

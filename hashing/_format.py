@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from embstore.atomic import atomic_file
 from embstore.errors import CorruptStoreError
 
 MAGIC = b"EMBHASH\x01"
@@ -48,19 +49,11 @@ def write_arrays(path: str | os.PathLike[str], meta: dict[str, Any], arrays: dic
         pos = _align(pos + a.nbytes)
     head = json.dumps({"meta": meta, "arrays": descr}, sort_keys=True).encode()
     data_start = _align(16 + len(head))
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
-            for name, a in plain.items():
-                f.write(b"\0" * (data_start + descr[name]["offset"] - f.tell()))
-                f.write(memoryview(a).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_file(path) as f:
+        f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+        for name, a in plain.items():
+            f.write(b"\0" * (data_start + descr[name]["offset"] - f.tell()))
+            f.write(memoryview(a).cast("B"))
 
 
 def read_arrays(path: str | os.PathLike[str], verify: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

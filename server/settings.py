@@ -70,7 +70,12 @@ class ServerSettings:
     @staticmethod
     def read_token(path: str | os.PathLike[str]) -> str:
         """The token in ``path`` (surrounding whitespace dropped); an empty file is an error."""
-        token = Path(path).read_text().strip()
+        try:
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise ConfigError("token_file", f"{path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError("token_file", f"{path} cannot be read as a text token: {exc}") from None
         if not token:
             raise ConfigError("token_file", f"{path} is empty")
         return token

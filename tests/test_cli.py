@@ -71,6 +71,26 @@ def test_create_errors(tmp_path, capsys) -> None:
     assert main(["create", str(tmp_path / "s"), "--config", str(cfg)]) == 2
     assert "already holds a store" in capsys.readouterr().err
     assert main(["create", str(tmp_path / "t"), "--config", str(tmp_path / "missing.toml")]) == 2
+    (tmp_path / "binary.toml").write_bytes(b"\xf5\x00[[table]]")
+    for config, words in [(tmp_path / "binary.toml", "not UTF-8"), (tmp_path, "is a directory")]:
+        assert main(["create", str(tmp_path / "t"), "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err
+        assert main(["train", str(config)]) == 2
+        assert words in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def test_serve_refuses_a_bad_port_and_an_unreadable_token(store_path, tmp_path, capsys) -> None:
+    for port in ("70000", "-1", "http"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(store_path), "--port", port])
+        assert e.value.code == 2 and "TCP port in 0-65535" in capsys.readouterr().err
+    (tmp_path / "token").write_bytes(b"\xff\xfe")
+    assert main(["serve", str(store_path), "--port", "0", "--token-file", str(tmp_path / "token")]) == 2
+    assert "cannot be read as a text token" in capsys.readouterr().err
+    assert main(["serve", str(store_path), "--port", "0", "--token-file", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_stats_json(store_path, capsys) -> None:

@@ -69,6 +69,21 @@ def test_replay_cli_json_and_plot(trace_path, tmp_path, capsys):
     assert "table_2" in capsys.readouterr().out
 
 
+def test_replay_capacity_beyond_the_trace_behaves_as_the_whole_trace(trace_path, capsys):
+    """A capacity larger than the distinct rows is reported as asked and simulated as never evicting
+    (it used to allocate its slots: 2 TiB for 2**38 rows)."""
+    assert main(["replay", str(trace_path), "--policy", "lru", "--capacity", f"{2**38},1.0", "--json"]) == 0
+    huge, whole = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert huge["capacity_rows"] == 2**38 and whole["capacity_rows"] < 2**38
+    assert huge["hits"] == whole["hits"] > 0 and huge["hit_ratio"] == huge["belady_hit_ratio"]
+
+
+def test_replay_table_shows_no_share_of_min_when_min_has_no_hits(trace_path, capsys):
+    assert main(["replay", str(trace_path), "--policy", "lru", "--capacity", "0"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert row[:3] == ["all", "lru", "0"] and row[5] == "-" and "nan" not in row
+
+
 def test_tune_cli_writes_toml(trace_path, tmp_path, capsys):
     out = tmp_path / "store.toml"
     assert main(["tune", str(trace_path), "--dram", "64KiB", "--device", "8KiB", "--dim", "16",

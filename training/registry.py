@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from embstore.errors import CorruptStoreError, InvalidInputError
-from embstore.store import Store, atomic_write
+from embstore.atomic import atomic_file, atomic_write
+from embstore.store import Store
 from embstore.training.dlrm import DLRM
 from embstore.training.ebc import TieredEmbeddingBagCollection
 
@@ -48,9 +49,8 @@ def save_model(store_path: str | os.PathLike, name: str, spec: ModelSpec, model:
     folder = Path(store_path) / MODELS_DIR / name
     folder.mkdir(parents=True, exist_ok=True)
     dense = {k: v for k, v in model.state_dict().items() if not k.startswith("sparse_arch.")}
-    tmp = folder / "dense.pt.tmp"
-    torch.save(dense, tmp)
-    os.replace(tmp, folder / "dense.pt")
+    with atomic_file(folder / "dense.pt") as f:
+        torch.save(dense, f)
     atomic_write(folder / "model.json", json.dumps(asdict(spec), indent=1).encode())
     return folder
 

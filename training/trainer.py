@@ -29,7 +29,6 @@ import math
 import shutil
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -39,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 import embstore
-from embstore.config import StoreConfig, TableConfig
+from embstore.atomic import atomic_file, atomic_write
+from embstore.config import StoreConfig, TableConfig, read_toml
 from embstore.errors import ConfigError
 from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader, SyntheticClicks
@@ -232,14 +232,7 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "TrainConfig":
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError("config", f"file {str(p)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", f"not valid TOML: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_toml(path))
 
 
 # --------------------------------------------------------------------------- result
@@ -436,16 +429,13 @@ def save_checkpoint(out: Path, step: int, model: DLRM, opt: torch.optim.Optimize
         shutil.copytree(store.path, dst)
     state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
              "losses": result.losses, "evals": [(s, dataclasses.asdict(e)) for s, e in result.evals]}
-    tmp = ckpt / f"rank{ctx.rank}.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(ckpt / f"rank{ctx.rank}.pt")
+    with atomic_file(ckpt / f"rank{ctx.rank}.pt") as f:
+        torch.save(state, f)
     if ctx.enabled:
         import torch.distributed as dist
         dist.barrier()
     if ctx.is_main:
-        marker = out / "checkpoints" / "latest.tmp"
-        marker.write_text(ckpt.name)
-        marker.replace(out / "checkpoints" / "latest")
+        atomic_write(out / "checkpoints" / "latest", ckpt.name.encode())
     return ckpt
 
 

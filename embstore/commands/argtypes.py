@@ -26,6 +26,13 @@ def nonneg_int(text: str) -> int:
     return _integer(text, 0, "an integer >= 0")
 
 
+def port_number(text: str) -> int:
+    value = _integer(text, 0, "a TCP port in 0-65535")
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in 0-65535, got {value}")
+    return value
+
+
 def nonneg_seconds(text: str) -> float:
     try:
         value = float(text)

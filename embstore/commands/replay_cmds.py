@@ -101,6 +101,12 @@ def _rows(cap: int | float, unique: int) -> int:
     return int(cap) if isinstance(cap, int) else max(1, int(round(cap * unique)))
 
 
+def _simulated_rows(rows: int, unique: int) -> int:
+    """A cache with more slots than the trace has distinct rows behaves as one with exactly that many
+    (it never evicts); simulating that size keeps a huge ``--capacity`` from allocating its slots."""
+    return min(rows, max(unique, 1))
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     trace = traces.load(args.trace, batch_size=args.batch_size)
     cost = costmodel.default_model()
@@ -122,7 +128,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             for pol in args.policy:
                 for cap in args.capacity:
                     rows = _rows(cap, uniq)
-                    res = replay_keys(k, o, [(pol, rows)], row_bytes=args.row_bytes, lookahead=args.lookahead,
+                    res = replay_keys(k, o, [(pol, _simulated_rows(rows, uniq))], row_bytes=args.row_bytes, lookahead=args.lookahead,
                                       dedup=False)
                     lv = res.levels[0]
                     secs = cost.batch_seconds([("dram", lv.hits), (args.home, lv.misses)]) / max(1, res.batches)
@@ -157,9 +163,10 @@ def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmode
         head += f" {'demand miss':>12}"
     lines.append(head)
     for r in records:
-        share = r["hit_ratio"] / r["belady_hit_ratio"] if r["belady_hit_ratio"] else float("nan")
+        # no hit is possible (a capacity of 0, or no row used twice): the share of MIN is undefined
+        share = f"{100 * r['hit_ratio'] / r['belady_hit_ratio']:6.1f}%" if r["belady_hit_ratio"] else f"{'-':>7}"
         line = (f"{r.get('table', 'all'):<12} {r['policy']:<12} {r['capacity_rows']:>10,} "
-                f"{100 * r['hit_ratio']:7.2f} {100 * r['belady_hit_ratio']:9.2f} {100 * share:6.1f}% "
+                f"{100 * r['hit_ratio']:7.2f} {100 * r['belady_hit_ratio']:9.2f} {share} "
                 f"{r['bytes_fetched'] / 2**20:12.2f} {1e3 * r['modelled_seconds_per_batch']:9.3f}")
         if args.lookahead:
             line += f" {r['demand_misses']:>12,}"
