@@ -8,11 +8,11 @@ through the hierarchy and are flushed at the end.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from embstore.atomic import atomic_file
 from embstore.errors import InvalidInputError, InvalidRowsError
 from embstore.table import Table
 
@@ -27,7 +27,7 @@ def _open_npy(path: str | os.PathLike) -> np.ndarray:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         raise
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EOFError) as exc:  # EOFError: an empty file
         raise InvalidInputError(f"{path}: not a readable .npy array ({exc})") from exc
 
 
@@ -65,12 +65,15 @@ def export_rows(table: Table, path: str | os.PathLike, rows: int | None = None,
         raise InvalidInputError(f"rows must be in [0, {table.num_rows}], got {n}")
     if n > MAX_EXPORT_ROWS:
         raise InvalidInputError(f"table {table.name!r} has {n} rows; export at most {MAX_EXPORT_ROWS} (use --rows)")
-    out = np.lib.format.open_memmap(Path(path), mode="w+", dtype=np.float32, shape=(n, table.format.dim))
-    for lo in range(0, n, CHUNK_ROWS):
-        ids = np.arange(lo, min(n, lo + CHUNK_ROWS), dtype=np.int64)
-        out[lo:lo + len(ids)] = table.read_physical(ids)
-        if progress:
-            progress(len(ids))
-    out.flush()
-    del out
+    # streamed into a temp file that replaces ``path`` at the end: a full disk is an OSError here (a
+    # memory-mapped output would die of SIGBUS), and a failed export leaves no half-written file
+    with atomic_file(path) as f:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")), "fortran_order": False,
+                  "shape": (n, table.format.dim)}
+        np.lib.format.write_array_header_1_0(f, header)
+        for lo in range(0, n, CHUNK_ROWS):
+            ids = np.arange(lo, min(n, lo + CHUNK_ROWS), dtype=np.int64)
+            f.write(np.ascontiguousarray(table.read_physical(ids), "<f4").tobytes())
+            if progress:
+                progress(len(ids))
     return n

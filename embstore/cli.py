@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except (EmbstoreError, FileNotFoundError, PermissionError, IsADirectoryError) as exc:
         print(f"embstore {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine's fault, not the input's: a full disk, an I/O error
+        logging.getLogger("embstore.cli").debug("%s failed", args.verb, exc_info=True)
+        print(f"embstore {args.verb}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"embstore {args.verb}: interrupted", file=sys.stderr)
         return 130

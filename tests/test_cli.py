@@ -11,6 +11,7 @@ import pytest
 
 import embstore
 from embstore.cli import main
+from faultfs import needs_mount
 
 CONFIG = """
 [[table]]
@@ -59,6 +60,30 @@ def test_import_rejects_bad_files_and_changes_nothing(store_path, tmp_path, caps
     assert "known tables: emb" in capsys.readouterr().err
     with embstore.open(store_path) as s:
         np.testing.assert_array_equal(s["emb"].lookup(np.arange(300, dtype=np.int64)), before)
+
+
+def test_import_of_an_empty_file_is_a_clear_error(store_path, tmp_path, capsys) -> None:
+    (tmp_path / "empty.npy").write_bytes(b"")
+    assert main(["import", str(store_path), "emb", str(tmp_path / "empty.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable .npy array" in err and "import emb:" not in err  # no closing count for failed work
+
+
+@needs_mount
+def test_export_to_a_full_disk_fails_cleanly_and_keeps_the_old_file(store_path, tiny_tmpfs, capsys) -> None:
+    big = tiny_tmpfs.path / "big.toml"
+    big.write_text(CONFIG.replace("name = \"emb\"", "name = \"big\"").replace("num_embeddings = 300",
+                                                                             "num_embeddings = 300_000"))
+    with embstore.open(store_path) as s:
+        s.create_table(embstore.StoreConfig.from_toml(big).tables[0])
+    big.unlink()
+    target = tiny_tmpfs.path / "rows.npy"
+    assert main(["export", str(store_path), "emb", str(target)]) == 0
+    small = np.load(target)
+    assert main(["export", str(store_path), "big", str(target)]) == 1  # 9.6 MB into a 4 MiB tmpfs
+    assert "No space left on device" in capsys.readouterr().err
+    np.testing.assert_array_equal(np.load(target), small)
+    assert sorted(p.name for p in tiny_tmpfs.path.iterdir()) == ["rows.npy"]
 
 
 def test_create_errors(tmp_path, capsys) -> None:

@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 
 import embstore
 from embstore.atomic import atomic_file, atomic_write
+from embstore.progress import progress_bar
 from embstore.config import StoreConfig, TableConfig, read_toml
 from embstore.errors import ConfigError
 from embstore.training import TieredEmbeddingBagCollection
@@ -553,9 +553,7 @@ def _take(it: Iterator[ClickBatch], n: int) -> Iterator[ClickBatch]:
 def _progress(on: bool, total: int, initial: int) -> Any:
     if not on:
         return None
-    from tqdm import tqdm
-    return tqdm(total=total if total < 10**12 else None, initial=initial, unit="step", dynamic_ncols=True,
-                file=sys.stderr)
+    return progress_bar(total=total if total < 10**12 else None, initial=initial, desc="train", unit="step")
 
 
 def _print(bar: Any, text: str) -> None:

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from embstore.atomic import atomic_write
+from embstore.progress import progress_bar
 from embstore.commands.argtypes import byte_size, nonneg_int, positive_int
 from embstore import costmodel, traces
 from embstore.belady import dedup_batches
@@ -122,7 +123,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         groups.append(("all", *dedup_batches(keys, trace.batch_offsets)))
     records = []
     total = len(groups) * len(args.policy) * len(args.capacity)
-    with tqdm(total=total, desc="replay", unit="run", disable=None, leave=False, file=sys.stderr) as bar:
+    with progress_bar(total=total, desc="replay", unit="run", leave=False) as bar:
         for name, k, o in groups:
             uniq = int(np.unique(k).size)
             for pol in args.policy:
@@ -183,8 +184,7 @@ def _plot(groups, policies: list[str], path: str) -> None:
     if Path(path).suffix.lower() != ".png":
         raise InvalidInputError(f"--plot writes a PNG; give a file name ending in .png, got {path!r}")
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
-    with tqdm(total=len(groups) * (len(policies) + 1), desc="curves", unit="curve", disable=None,
-              leave=False, file=sys.stderr) as bar:
+    with progress_bar(total=len(groups) * (len(policies) + 1), desc="curves", unit="curve", leave=False) as bar:
         for ax, (name, k, o) in zip(axes[0], groups):
             uniq = max(1, int(np.unique(k).size))
             caps = np.unique(np.geomspace(1, uniq, num=24).astype(np.int64))
@@ -216,12 +216,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         dim = args.dim or 64
     row_bytes = RowFormat(dim, RowDType(args.dtype)).row_bytes
     cost = costmodel.default_model()
-    with tqdm(total=trace.num_tables, desc="tune", unit="table", disable=None, leave=False, file=sys.stderr) as bar:
+    with progress_bar(total=trace.num_tables, desc="tune", unit="table", leave=False) as bar:
         res = tune(trace, args.dram, args.device, row_bytes=row_bytes, dim=dim, dtype=args.dtype,
                    policies=args.policy, cost=cost, progress=bar.update)
     cfg = res.config()
     if args.out:
-        Path(args.out).write_text(cfg.to_toml())
+        atomic_write(args.out, cfg.to_toml().encode())
     tot = res.totals()
     dev_used, dram_used = res.used_bytes()
     if args.json:

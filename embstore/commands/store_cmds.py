@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from tqdm import tqdm
 
 import embstore
+from embstore.progress import progress_bar
 from embstore.bulk import export_rows, import_rows
 
 
@@ -56,7 +56,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     with embstore.open(args.store) as store:
         table = store[args.table]
-        with tqdm(desc=f"import {table.name}", unit="row", unit_scale=True) as bar:
+        with progress_bar(desc=f"import {table.name}", unit="row", unit_scale=True) as bar:
             n = import_rows(table, args.file, start=args.start, progress=bar.update)
     print(f"imported {n} rows into {args.table}")
     return 0
@@ -66,7 +66,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     with embstore.open(args.store) as store:
         table = store[args.table]
         total = table.num_rows if args.rows is None else args.rows
-        with tqdm(total=total, desc=f"export {table.name}", unit="row", unit_scale=True) as bar:
+        with progress_bar(total=total, desc=f"export {table.name}", unit="row", unit_scale=True) as bar:
             n = export_rows(table, args.file, rows=args.rows, progress=bar.update)
     print(f"exported {n} rows of {args.table} to {args.file}")
     return 0

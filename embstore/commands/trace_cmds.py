@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from tqdm import tqdm
 
+from embstore.progress import progress_bar
 from embstore.commands.argtypes import nonneg_int, positive_int
 from embstore import tracegen, traces
 from embstore.errors import InvalidInputError
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_gen(args: argparse.Namespace) -> int:
     if args.like is None and args.zipf is None:
         raise InvalidInputError("give --like dlrm2021|dlrm2022 or --zipf ALPHA")
-    with tqdm(total=args.batches, desc="trace gen", unit="batch", disable=None) as bar:
+    with progress_bar(total=args.batches, desc="trace gen", unit="batch") as bar:
         trace = tracegen.generate(args.like, zipf_alpha=args.zipf, batches=args.batches,
                                   batch_size=args.batch_size, tables=args.tables, ids=args.ids,
                                   pooling=args.pooling, seed=args.seed, progress=bar.update)
@@ -76,8 +76,8 @@ def cmd_gen(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     trace = traces.load(args.trace, batch_size=args.batch_size)
-    with tqdm(total=len(trace), desc="reuse distances", unit="access", unit_scale=True,
-              disable=True if args.no_reuse_distance else None, leave=False) as bar:
+    with progress_bar(total=len(trace), desc="reuse distances", unit="access", unit_scale=True,
+                      enabled=not args.no_reuse_distance, leave=False) as bar:
         st = traces.trace_stats(trace, reuse_distances=not args.no_reuse_distance, progress=bar.update)
     if args.json:
         print(json.dumps({"trace": args.trace, **st.to_dict()}))
