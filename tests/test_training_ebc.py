@@ -229,6 +229,43 @@ def test_bad_inputs_raise_typed_errors(tmp_path) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("kwargs", [dict(lr=-0.1), dict(lr=float("nan")), dict(lr=float("inf")), dict(eps=-1.0),
+                                    dict(betas=(1.0, 0.9)), dict(betas=(0.9,)), dict(weight_decay=float("nan")),
+                                    dict(lr="fast")])
+def test_bad_hyper_parameters_are_refused(tmp_path, kwargs) -> None:
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM)], RESIDENT)
+    with pytest.raises(embstore.InvalidInputError, match="lr|eps|betas|weight_decay"):
+        TieredEmbeddingBagCollection(store, ["a"], optimizer="adam", **kwargs)
+    store.close()
+
+
+@pytest.mark.parametrize("tiers", ["resident", "oversized"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_nan_gradient_is_refused_and_its_table_is_unchanged(tmp_path, tiers: str, optimizer: str, bad: int) -> None:
+    """Tables stepped earlier in the same backward (autograd's order) keep their update; the table
+    whose gradient is not finite, and any after it, keep their rows."""
+    names = ["a", "b"]
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM), ("b", ROWS, DIM)],
+                       RESIDENT if tiers == "resident" else oversized_tiers(optimizer))
+    ebc = TieredEmbeddingBagCollection(store, names, optimizer=optimizer, lr=0.1)
+    ids, offs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])], [torch.tensor([0, 1, 3]), torch.tensor([0, 0, 2])]
+    every = np.arange(ROWS, dtype=np.int64)
+    before = store[names[bad]].lookup(every)
+    out = ebc(ids, offs)
+    weights = torch.ones_like(out)
+    weights[1, bad, 0] = float("inf")
+    with pytest.raises(embstore.InvalidRowsError, match=f"table '{names[bad]}'.*NaN or inf"):
+        (out * weights).sum().backward()
+    ebc.flush()
+    np.testing.assert_array_equal(store[names[bad]].lookup(every), before)
+    ebc(ids, offs).sum().backward()  # training goes on
+    ebc.flush()
+    after = store[names[bad]].lookup(every)
+    assert not np.array_equal(after, before) and np.isfinite(after).all()
+    store.close()
+
+
 def test_backward_after_next_forward_raises(tmp_path) -> None:
     store = make_store(tmp_path / "s", [("a", ROWS, DIM)], RESIDENT)
     ebc = TieredEmbeddingBagCollection(store, ["a"])

@@ -38,7 +38,8 @@ from embstore.errors import IdOutOfRangeError, InvalidInputError
 from embstore.kernels import kernel_threads, pool_rows, unique_inverse_each
 from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
-from embstore.training.optim import DEFAULT_EPS, OptimConfig, apply_update, check_optimizer, state_dim
+from embstore.training.optim import (DEFAULT_EPS, OptimConfig, apply_update, check_finite_gradient,
+                                     check_hyperparameters, check_optimizer, state_dim)
 from embstore.training.working_set import ResidentWorkingSet, make_working_set
 
 log = logging.getLogger("embstore.training")
@@ -136,6 +137,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise InvalidInputError(f"lookahead must be >= 0, got {lookahead}")
         if adam_step not in ("row", "global"):
             raise InvalidInputError(f"adam_step must be 'row' or 'global', got {adam_step!r}")
+        check_hyperparameters(lr, eps, betas, weight_decay)
         self.store = store
         self.table_names = list(tables)
         self.pooling = pooling
@@ -417,6 +419,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 if t in batch.stepped:
                     raise RuntimeError("embstore: a second backward through the same forward")
                 grad = grad.to(torch.float32).contiguous()
+                check_finite_gradient(grad, self.table_names[t])
                 if ws.device.type == "cpu":
                     o = self.optim
                     gstep = self.steps + 1 if o.adam_step == "global" else 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embstore.errors import InvalidInputError
+from embstore.errors import InvalidInputError, InvalidRowsError
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 DEFAULT_EPS = {"sgd": 0.0, "rowwise_adagrad": 1e-8, "adagrad": 1e-10, "adam": 1e-8}
@@ -41,6 +41,40 @@ def check_optimizer(name: str) -> str:
     if name not in OPTIMIZERS:
         raise InvalidInputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
     return name
+
+
+def check_hyperparameters(lr: float, eps: float | None, betas: tuple[float, float], weight_decay: float) -> None:
+    """Refuse values that would quietly wreck every row trained: a NaN, a negative step, betas outside [0, 1)."""
+    def number(name: str, value: object, low: float, high: float = math.inf, high_open: bool = False) -> None:
+        """``high`` is only used with ``high_open``."""
+        try:
+            x = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"{name} must be a number, got {value!r}") from None
+        if not math.isfinite(x) or not (low <= x < high if high_open else low <= x <= high):
+            where = f"in [{low:g}, {high:g})" if high_open else f">= {low:g}"
+            raise InvalidInputError(f"{name} must be a finite number {where}, got {value!r}")
+
+    number("lr", lr, 0.0)
+    if eps is not None:
+        number("eps", eps, 0.0)
+    number("weight_decay", weight_decay, 0.0)
+    if len(betas) != 2:
+        raise InvalidInputError(f"betas must be two numbers, got {betas!r}")
+    number("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+    number("betas[1]", betas[1], 0.0, 1.0, high_open=True)
+
+
+def check_finite_gradient(grad: torch.Tensor, table: str) -> None:
+    """Raise before a NaN or inf gradient reaches the rows: the fused step would write it into the store,
+    where it outlives the batch (torch's own optimizers would at least leave the checkpoint intact)."""
+    if math.isfinite(float(grad.sum())):  # one reduction; any NaN or inf makes the sum non-finite
+        return
+    bad = int((~torch.isfinite(grad)).sum())
+    if bad == 0:  # finite values whose sum overflowed
+        return
+    raise InvalidRowsError(f"table {table!r}: the gradient holds {bad} NaN or inf values; its rows were not "
+                           "updated (look for a NaN loss or an overflow in the model)")
 
 
 @dataclass
