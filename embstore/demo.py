@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from embstore.atomic import atomic_write
+
 __all__ = ["DemoSize", "FULL", "QUICK", "run"]
 
 
@@ -131,7 +133,7 @@ def tune_tiers(trace_path: Path, size: DemoSize, base: Path, say: Callable[..., 
     trace = traces.load(trace_path)
     res = tune(trace, size.dram_budget, 0, row_bytes=_row_bytes(), dim=DIM)
     tuned_path = base / "tuned.toml"
-    tuned_path.write_text(res.config().to_toml())
+    atomic_write(tuned_path, res.config().to_toml().encode())
     say(f"   {'table':<8} {'rows':>9} {'unique':>8} {'acc/byte':>9} {'dram rows':>10} {'policy':<12} "
         f"{'home':<5} {'hit %':>6}")
     rows = {name: n for name, n, _, _ in _tables(size)}
@@ -141,7 +143,10 @@ def tune_tiers(trace_path: Path, size: DemoSize, base: Path, say: Callable[..., 
             f"{p.dram_rows:>10,} {p.dram_policy if p.dram_rows else '-':<12} {p.home:<5} "
             f"{100 * hits / max(1, p.accesses):6.1f}")
     tot = res.totals()
-    say(f"   DRAM used {_fmt_bytes(res.used_bytes()[1])} of {_fmt_bytes(size.dram_budget)}; expected "
+    parts = res.dram_breakdown()
+    say(f"   DRAM used {_fmt_bytes(res.used_bytes()[1])} of {_fmt_bytes(size.dram_budget)} (cache rows "
+        f"{_fmt_bytes(parts['cache_rows'])}, their directories {_fmt_bytes(parts['cache_directories'])}, home "
+        f"indexes {_fmt_bytes(parts['home_indexes'])}); expected "
         f"{100 * tot['cache_hit_ratio']:.1f}% of deduplicated reads served from DRAM -> {tuned_path}")
     return res, tuned_path
 
@@ -346,7 +351,7 @@ def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool
         "tuned": {p.name: {"dram_rows": p.dram_rows, "policy": p.dram_policy, "home": p.home,
                            "unique_rows": p.unique_rows} for p in plan.tables},
         "served": served, "timings": timings, **{k: str(v) for k, v in files.items()}}
-    files["summary"].write_text(json.dumps(summary, indent=1))
+    atomic_write(files["summary"], json.dumps(summary, indent=1).encode())
     ok = served["rows_equal"] and served["pooled_equal"] and served["scores_equal"]
     say(f"\n4. done in {sum(timings.values()):.0f} s (trace+tune {timings['trace_and_tune_s']:.0f} s, "
         f"train {timings['train_s']:.0f} s, serve {timings['serve_s']:.0f} s); "

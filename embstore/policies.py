@@ -459,6 +459,23 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(4, int(n - 1).bit_length())
 
 
+def directory_bytes(capacity: int, policy: PolicySpec | str = "lru") -> int:
+    """Bytes a ``CacheDirectory(capacity, policy)`` allocates (the table in the module doc), without
+    building one: what a memory budget must set aside beside a partial cache's rows."""
+    c = int(capacity)
+    if c < 1:
+        return 0
+    spec = PolicySpec.parse(policy)
+    kind = _KIND_CODE[spec.kind]
+    n = 12 * _pow2_at_least(2 * c) + (8 + 4 + 8 + 4) * c + 8 * 9  # index, key, free, epoch, position, meta
+    n += 8 * c if kind in (LRU, LFU) else 8  # prev/next
+    nb = c + 1 if kind == LFU else 1
+    n += (4 * c if kind == LFU else 4) + nb * (8 + 8 + 4 + 4 + 4)  # bucket of slot; bucket arrays
+    n += c if kind == CLOCK else 1
+    n += SKETCH_ROWS * (min(SKETCH_WIDTH_PER_SLOT * c, 1 << 32) if spec.tinylfu else 1)
+    return n
+
+
 class CacheDirectory:
     """A fixed-capacity key -> slot map with an eviction policy (see module doc)."""
 
@@ -498,6 +515,11 @@ class CacheDirectory:
     @property
     def resident(self) -> int:
         return self.capacity - int(self._meta[M_NFREE])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the directory holds (``directory_bytes`` computes it up front)."""
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
 
     def access(self, keys: Ids) -> AccessResult:
         """Look up (and insert on miss) the unique ``keys`` in order; see module doc."""
@@ -569,6 +591,11 @@ class DirectDirectory:
         if threads == 1:
             return int(_count_resident_serial(keys, self.present, not self.full, marks))
         return int(_count_resident_parallel(keys, self.present, not self.full, marks))
+
+    @property
+    def nbytes(self) -> int:
+        """The presence flags (a byte per row) and the scratch bitmaps of the distinct count."""
+        return self.present.nbytes + self._bits.nbytes
 
     @property
     def resident(self) -> int:

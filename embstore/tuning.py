@@ -16,6 +16,18 @@ device cache only adds hits when it is larger: sizes are allocated separately
 for each budget on the same curves, and a DRAM cache not larger than the
 device cache is dropped.
 
+The budgets are whole: the DRAM budget pays for the DRAM caches' rows *and*
+what sits beside them (a partial cache's directory, 56-120 bytes per slot by
+policy; a whole-table cache's presence flags), for every table's home index
+(the ``log`` layout's 4-byte slot per row, ``in_place``'s presence bit,
+RocksDB's block cache and memtable), set aside first, and for the directories
+of device caches, which live in host memory. On DLRM-sized rows (68 bytes) the
+metadata is as large as the rows, so a budget counted in row bytes alone would
+be overrun up to 2x (``metadata_in_budget=False`` counts rows only, as the
+recorded DLRM benchmark did). The ``log`` layout's slot maps are taken only
+while they fit in a quarter of the DRAM budget; otherwise every ssd home is
+``in_place`` (a bit per row instead of 4 bytes).
+
 Home: ``rocksdb`` when the id space is sparse (largest id >= 2**32, or fewer
 than 1 in 1000 of the ids up to the largest are used), else ``ssd``, in its
 ``log`` layout when the caches hold only part of the table (evictions then
@@ -35,9 +47,12 @@ from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.costmodel import CostModel
 from embstore.errors import InvalidInputError
 from embstore.simulator import ReplayResult, miss_ratio_curve, replay_keys, table_keys
+from embstore.tiers.cache import cache_metadata_bytes
+from embstore.tiers.ssd import SSDTier
+from embstore.tiers.ssd_log import LogSSDTier
 from embstore.traces import Trace
 
-__all__ = ["POLICIES", "TablePlan", "TuneResult", "allocate", "tune"]
+__all__ = ["POLICIES", "TablePlan", "TuneResult", "allocate", "home_index_bytes", "tune"]
 
 POLICIES = ("lru", "lfu", "clock", "lru+tinylfu")
 SPARSE_MAX_ID = 1 << 32
@@ -57,6 +72,11 @@ class TablePlan:
     dram_rows: int
     dram_policy: str
     result: ReplayResult | None = None
+    layout: str = "in_place"  # of an ssd home
+
+    @property
+    def num_rows(self) -> int:
+        return max(1, self.max_id + 1)
 
 
 @dataclass
@@ -79,21 +99,25 @@ class TuneResult:
                 tiers.append(TierConfig("device", p.device_rows * self.row_bytes, p.device_policy))
             if p.dram_rows:
                 tiers.append(TierConfig("dram", p.dram_rows * self.row_bytes, p.dram_policy))
-            tiers.append(TierConfig(p.home, layout=self.ssd_layout(p)) if p.home == "ssd" else TierConfig(p.home))
+            tiers.append(TierConfig(p.home, layout=p.layout) if p.home == "ssd" else TierConfig(p.home))
             out.append(TableConfig(name=p.name, num_embeddings=max(1, p.max_id + 1), dim=self.dim,
                                    dtype=self.dtype, tiers=tuple(tiers)))
         return StoreConfig(tuple(out))
 
-    def ssd_layout(self, p: TablePlan) -> str:
-        """``log`` where the caches hold part of the table and several rows share a 4 KiB block: there
-        every eviction writes a small row back, which in place is a read-modify-write of its block."""
-        partial = max(p.device_rows, p.dram_rows) < p.max_id + 1
-        return "log" if partial and self.row_bytes <= 2048 else "in_place"
-
     def used_bytes(self) -> tuple[int, int]:
-        """(device bytes, DRAM bytes) of the caches chosen."""
-        return (sum(p.device_rows for p in self.tables) * self.row_bytes,
-                sum(p.dram_rows for p in self.tables) * self.row_bytes)
+        """(device bytes, DRAM bytes) the configuration holds: device cache rows; DRAM cache rows plus
+        every cache directory and home index (``dram_breakdown``)."""
+        return (sum(p.device_rows for p in self.tables) * self.row_bytes, sum(self.dram_breakdown().values()))
+
+    def dram_breakdown(self) -> dict[str, int]:
+        """DRAM by use: cache rows, cache directories (device caches' too), home indexes."""
+        rows = meta = home = 0
+        for p in self.tables:
+            rows += p.dram_rows * self.row_bytes
+            meta += sum(cache_metadata_bytes(n, p.num_rows, pol)
+                        for n, pol in ((p.dram_rows, p.dram_policy), (p.device_rows, p.device_policy)) if n)
+            home += home_index_bytes(p.home, p.layout, p.num_rows, self.row_bytes)
+        return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home}
 
     def totals(self) -> dict[str, float]:
         """Hit ratios over all tables and modelled seconds per batch, tiered and all-DRAM."""
@@ -126,6 +150,22 @@ def _level(p: TablePlan, kind: str) -> int:
     return p.result.levels[idx].hits
 
 
+def home_index_bytes(kind: str, layout: str, num_rows: int, row_bytes: int) -> int:
+    """DRAM a home keeps per table: ``in_place`` a presence bit per row, ``log`` a slot per row plus
+    block counters, RocksDB its default block cache and memtable."""
+    if kind == "rocksdb":
+        default = TierConfig("rocksdb")
+        return default.block_cache + default.write_buffer
+    return (LogSSDTier if layout == "log" else SSDTier).index_bytes(num_rows, row_bytes)
+
+
+def _cache_costs(caps: np.ndarray, best: np.ndarray, policies: Sequence[str], num_rows: int,
+                 row_bytes: int) -> np.ndarray:
+    """Bytes of a cache of ``caps[i]`` rows with the policy winning there: rows + metadata."""
+    return np.array([0 if c == 0 else c * row_bytes + cache_metadata_bytes(int(c), num_rows, policies[b])
+                     for c, b in zip(caps, best)], np.int64)
+
+
 def _grid(unique: int, points: int) -> np.ndarray:
     """0, then geometric row counts up to ``unique`` (where every re-access hits)."""
     if unique <= 0:
@@ -134,17 +174,21 @@ def _grid(unique: int, points: int) -> np.ndarray:
     return np.concatenate([[0], g]).astype(np.int64)
 
 
-def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int, row_bytes: int) -> list[int]:
+def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int, row_bytes: int,
+             costs: Sequence[np.ndarray] | None = None) -> list[int]:
     """Greedy marginal-gain allocation: ``curves[t] = (capacities_rows, hits)``; returns
     each table's grid index. Each step buys the jump (any table, any larger grid
-    point that fits) with the most hits per byte."""
+    point that fits) with the most hits per byte. ``costs[t][i]``: bytes of grid
+    point i (default: its rows x ``row_bytes``)."""
+    if costs is None:
+        costs = [caps * row_bytes for caps, _ in curves]
     pos = [0] * len(curves)
     left = int(budget_bytes)
     while True:
         best, pick = 0.0, None
         for t, (caps, hits) in enumerate(curves):
             i = pos[t]
-            dbytes = (caps[i + 1:] - caps[i]) * row_bytes
+            dbytes = costs[t][i + 1:] - costs[t][i]
             if dbytes.size == 0:
                 continue
             gain = (hits[i + 1:] - hits[i]).astype(np.float64)
@@ -158,13 +202,14 @@ def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int,
         if pick is None:
             return pos
         t, j = pick
-        left -= int((curves[t][0][j] - curves[t][0][pos[t]]) * row_bytes)
+        left -= int(costs[t][j] - costs[t][pos[t]])
         pos[t] = j
 
 
 def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int = 256, dim: int | None = None,
          dtype: str = "float32", policies: Sequence[str] = POLICIES, grid_points: int = 16,
-         cost: CostModel | None = None, progress: Callable[[int], object] | None = None) -> TuneResult:
+         cost: CostModel | None = None, progress: Callable[[int], object] | None = None,
+         metadata_in_budget: bool = True) -> TuneResult:
     """Plan per-table tiers for ``trace`` within ``dram_bytes`` (+ ``device_bytes``); see module doc."""
     if dram_bytes < 0 or device_bytes < 0:
         raise InvalidInputError("budgets must be >= 0 bytes")
@@ -179,6 +224,7 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
     cost = cost or CostModel()
     data = []
     curves = []
+    costs: list[np.ndarray] = []  # per table: bytes of each grid point's cache, rows + metadata
     for t, name in enumerate(trace.table_names):
         ids, off = table_keys(trace, t)
         if ids.size and ids.min() < 0:
@@ -189,21 +235,33 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
         per = np.stack([miss_ratio_curve(k, o, caps, p, dedup=False) for p in policies])
         if progress is not None:
             progress(1)
-        data.append((name, k, o, uniq, int(ids.max()) if ids.size else 0, per, caps))
+        max_id = int(ids.max()) if ids.size else 0
+        home = "rocksdb" if max_id >= SPARSE_MAX_ID or uniq / (max_id + 1) < SPARSE_DENSITY else "ssd"
+        data.append((name, k, o, uniq, max_id, per, caps, home))
         curves.append((caps, per.max(axis=0)))
-    dram_pos = allocate(curves, dram_bytes, row_bytes)
+        costs.append(_cache_costs(caps, per.argmax(axis=0), policies, max_id + 1, row_bytes)
+                     if metadata_in_budget else caps * row_bytes)
+    logs = sum(home_index_bytes("ssd", "log", d[4] + 1, row_bytes) for d in data if d[7] == "ssd")
+    use_log = row_bytes <= 2048 and (not metadata_in_budget or logs <= dram_bytes // 4)
+    homes = sum(home_index_bytes(d[7], "log" if use_log else "in_place", d[4] + 1, row_bytes) for d in data)
+    # device caches first: their rows go to the device budget, their directories to the DRAM one
     dev_pos = allocate(curves, device_bytes, row_bytes) if device_bytes else [0] * len(curves)
+    dev_meta = sum(int(costs[t][i]) - int(curves[t][0][i]) * row_bytes for t, i in enumerate(dev_pos))
+    left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
+    dram_pos = allocate(curves, max(0, left), row_bytes, costs)
     plans = []
-    for (name, k, o, uniq, max_id, per, caps), di, vi in zip(data, dram_pos, dev_pos):
+    for (name, k, o, uniq, max_id, per, caps, home), di, vi in zip(data, dram_pos, dev_pos):
         dram_rows, dev_rows = int(caps[di]), int(caps[vi])
         if dram_rows <= dev_rows:
             dram_rows = 0
         dram_pol = policies[int(np.argmax(per[:, di]))]
         dev_pol = policies[int(np.argmax(per[:, vi]))]
-        sparse = max_id >= SPARSE_MAX_ID or (uniq / (max_id + 1) < SPARSE_DENSITY if max_id >= 0 else False)
         levels = ([(dev_pol, dev_rows)] if dev_rows else []) + ([(dram_pol, dram_rows)] if dram_rows else [])
         res = replay_keys(k, o, levels, row_bytes=row_bytes, belady=False, dedup=False)
         acc = int(k.size)
-        plans.append(TablePlan(name, acc, uniq, max_id, acc / max(1, uniq * row_bytes),
-                               "rocksdb" if sparse else "ssd", dev_rows, dev_pol, dram_rows, dram_pol, res))
+        # log where the caches hold part of the table: every eviction writes a small row back, which in
+        # place is a read-modify-write of its 4 KiB block
+        partial = max(dev_rows, dram_rows) < max_id + 1
+        plans.append(TablePlan(name, acc, uniq, max_id, acc / max(1, uniq * row_bytes), home, dev_rows, dev_pol,
+                               dram_rows, dram_pol, res, "log" if use_log and partial else "in_place"))
     return TuneResult(plans, row_bytes, dim, dtype, int(dram_bytes), int(device_bytes), trace.num_batches, cost)

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+import embstore
 from embstore import costmodel, tracegen, traces
 from embstore.cli import main
 from embstore.config import StoreConfig
@@ -29,21 +30,48 @@ def test_allocate_greedy_matches_bruteforce():
     assert curves[0][1][pos[0]] + curves[1][1][pos[1]] == best  # (10, 40): 150
 
 
-def test_tune_respects_budget_and_loads(trace_path, tmp_path):
+def _store_dram(store) -> dict[str, int]:
+    """What an opened store really holds in host memory, by the parts ``dram_breakdown`` names."""
+    rows = meta = home = 0
+    for table in store.tables.values():
+        for tier in table.hierarchy.caches:
+            rows += tier.slab.nbytes if tier.kind == "dram" else 0
+            meta += tier.metadata_bytes
+        h = table.hierarchy.home
+        home += sum(getattr(h, a).nbytes for a in ("_bits", "_slot_of", "_live", "_free") if hasattr(h, a))
+    return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home}
+
+
+@pytest.mark.parametrize("dram", [64 << 10, 256 << 10])
+def test_tune_keeps_rows_directories_and_home_indexes_within_the_budget(trace_path, tmp_path, dram):
     tr = traces.load(trace_path)
-    res = tune(tr, 64 << 10, 8 << 10, row_bytes=64)
-    dev, dram = res.used_bytes()
-    assert dev <= 8 << 10 and dram <= 64 << 10
+    res = tune(tr, dram, 8 << 10, row_bytes=64)
+    dev, used = res.used_bytes()
+    assert dev <= 8 << 10 and used <= dram
     cfg = StoreConfig.from_toml(res.config().to_toml())
     assert [t.name for t in cfg.tables] == list(tr.table_names)
     for t, p in zip(cfg.tables, res.tables):
         assert t.tiers[-1].kind.value == "ssd"
         assert sum(x.capacity for x in t.tiers[:-1] if x.kind.value == "dram") == p.dram_rows * 64
         whole = max(p.device_rows, p.dram_rows) >= t.num_embeddings  # nothing is ever evicted
-        assert t.tiers[-1].layout == ("in_place" if whole else "log")
-    assert any(t.tiers[-1].layout == "log" for t in cfg.tables)
-    tot = res.totals()
-    assert 0 <= tot["cache_hit_ratio"] <= 1
+        assert whole or t.tiers[-1].layout == p.layout
+    # 3 tables of 5,000 rows: log slot maps (~63 KiB) fit in a quarter of 256 KiB, not of 64 KiB
+    assert {p.layout for p in res.tables} == ({"log"} if dram == 256 << 10 else {"in_place"})
+    predicted = res.dram_breakdown()
+    with embstore.create(tmp_path / "s", cfg) as store:
+        real = _store_dram(store)
+    assert real["cache_rows"] == predicted["cache_rows"]
+    assert real["cache_directories"] == predicted["cache_directories"]  # partial caches: exact
+    assert real["home_indexes"] == predicted["home_indexes"]
+    assert 0 <= res.totals()["cache_hit_ratio"] <= 1
+
+
+def test_metadata_counts_against_the_budget_unless_asked_not_to(trace_path):
+    tr = traces.load(trace_path)
+    full = tune(tr, 256 << 10, row_bytes=64)
+    rows_only = tune(tr, 256 << 10, row_bytes=64, metadata_in_budget=False)
+    assert sum(p.dram_rows for p in full.tables) < sum(p.dram_rows for p in rows_only.tables)
+    assert rows_only.dram_breakdown()["cache_rows"] <= 256 << 10 < rows_only.used_bytes()[1]
 
 
 def test_sparse_ids_get_rocksdb():

@@ -23,8 +23,21 @@ import numpy as np
 
 from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros
 from embstore.config import PolicySpec
-from embstore.policies import CacheDirectory, DirectDirectory
+from embstore.policies import CacheDirectory, DirectDirectory, directory_bytes
 from embstore.tiers.base import Tier
+
+
+def cache_metadata_bytes(capacity_rows: int, num_rows: int, policy: PolicySpec | str = "lru",
+                         count_threads: int = 2) -> int:
+    """DRAM a cache tier holds beside its slab: its directory and its dirty flags (a byte per slot).
+
+    A tier whose capacity covers the table is direct-mapped: a presence byte per
+    row, plus a bit per row per thread of distinct-count scratch once resident
+    lookups run. What ``tune`` sets aside from a DRAM budget.
+    """
+    if capacity_rows >= num_rows:
+        return 2 * num_rows + count_threads * 8 * ((num_rows + 63) // 64)
+    return directory_bytes(capacity_rows, policy) + capacity_rows
 
 
 class CacheTier(Tier):
@@ -83,6 +96,11 @@ class CacheTier(Tier):
     @property
     def resident_rows(self) -> int:
         return self.directory.resident
+
+    @property
+    def metadata_bytes(self) -> int:
+        """DRAM held beside the slab (directory and dirty flags); see ``cache_metadata_bytes``."""
+        return self.directory.nbytes + self.dirty.nbytes
 
     @property
     def capacity_rows(self) -> int:

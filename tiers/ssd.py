@@ -475,6 +475,11 @@ class SSDTier(Tier):
     _commit_file = BITMAP_FILE  # written last at creation: its presence means the tier exists
     _other_layout = (LOG_MAP_FILE, 'open it with layout = "log"')
 
+    @staticmethod
+    def index_bytes(num_rows: int, row_bytes: int) -> int:
+        """DRAM of the in-place home's index: one presence bit per row."""
+        return (num_rows + 7) // 8
+
     def __init__(self, directory: str | os.PathLike[str], num_rows: int, row_bytes: int,
                  queue_depth: int = 64, *, use_io_uring: bool | None = None) -> None:
         super().__init__(row_bytes)

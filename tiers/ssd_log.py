@@ -43,7 +43,7 @@ from numba import njit
 
 from embstore.arrays import Ids, Mask, RowBytes
 from embstore.errors import CorruptStoreError, DiskFullError, tier_io_error
-from embstore.tiers.ssd import BITMAP_FILE, LOG_MAP_FILE, SSDTier
+from embstore.tiers.ssd import BITMAP_FILE, LOG_MAP_FILE, PAGE, SSDTier
 
 SPARE_SHARE = 0.25  # spare blocks, as a share of the blocks the rows fill
 MIN_SPARE_BLOCKS = 64
@@ -140,6 +140,15 @@ class LogSSDTier(SSDTier):
 
     _commit_file = LOG_MAP_FILE
     _other_layout = (BITMAP_FILE, 'it is in place: open it without layout = "log"')
+
+    @staticmethod
+    def index_bytes(num_rows: int, row_bytes: int) -> int:
+        """DRAM of a new log home's index: a slot per row, a live count and a free-list entry per block."""
+        rpb = max(1, PAGE // row_bytes)
+        row_blocks = -(-num_rows // rpb)
+        blocks = row_blocks + max(int(row_blocks * SPARE_SHARE), MIN_SPARE_BLOCKS)
+        slot = 4 if blocks * rpb < 2**31 else 8
+        return slot * num_rows + (4 + 8) * blocks
 
     def _slab_blocks(self, row_blocks: int) -> int:
         """The rows' blocks plus spare ones: as many as an existing slab was created with (its slot map

@@ -224,31 +224,41 @@ def cmd_tune(args: argparse.Namespace) -> int:
         atomic_write(args.out, cfg.to_toml().encode())
     tot = res.totals()
     dev_used, dram_used = res.used_bytes()
+    parts = res.dram_breakdown()
     if args.json:
         print(json.dumps({"trace": args.trace, "out": args.out, "row_bytes": row_bytes,
-                          "device_bytes_used": dev_used, "dram_bytes_used": dram_used, **tot,
+                          "device_bytes_used": dev_used, "dram_bytes_used": dram_used, "dram_breakdown": parts,
+                          **tot,
                           "tables": [{"name": p.name, "accesses": p.accesses, "unique_rows": p.unique_rows,
                                       "bandwidth_per_byte": p.bandwidth_per_byte, "home": p.home,
                                       "device_rows": p.device_rows, "device_policy": p.device_policy,
-                                      "dram_rows": p.dram_rows, "dram_policy": p.dram_policy}
+                                      "dram_rows": p.dram_rows, "dram_policy": p.dram_policy,
+                                      "layout": p.layout if p.home == "ssd" else None}
                                      for p in res.tables]}))
         return 0
     lines = [f"{'table':<14} {'acc/byte':>9} {'device rows':>12} {'policy':<12} {'dram rows':>10} {'policy':<12} "
-             f"{'home':<8} {'hit %':>6}"]
+             f"{'home':<12} {'hit %':>6}"]
     for p in res.tables:
         hits = sum(lv.hits for lv in p.result.levels) if p.result else 0
         lines.append(f"{p.name:<14} {p.bandwidth_per_byte:9.3g} {p.device_rows:>12,} "
                      f"{p.device_policy if p.device_rows else '-':<12} {p.dram_rows:>10,} "
-                     f"{p.dram_policy if p.dram_rows else '-':<12} {p.home:<8} "
+                     f"{p.dram_policy if p.dram_rows else '-':<12} "
+                     f"{p.home + ('/' + p.layout if p.home == 'ssd' else ''):<12} "
                      f"{100 * hits / max(1, p.accesses):6.2f}")
     lines += [
-        f"budget used  device {dev_used:,} of {args.device:,} B, DRAM {dram_used:,} of {args.dram:,} B",
+        f"budget used  device {dev_used:,} of {args.device:,} B, DRAM {dram_used:,} of {args.dram:,} B "
+        f"(cache rows {parts['cache_rows']:,}, cache directories {parts['cache_directories']:,}, "
+        f"home indexes {parts['home_indexes']:,})",
         f"expected     device hits {100 * tot['device_hit_ratio']:.2f}%, DRAM hits {100 * tot['dram_hit_ratio']:.2f}%,"
         f" all caches {100 * tot['cache_hit_ratio']:.2f}% of deduplicated accesses",
         f"modelled     {1e3 * tot['seconds_per_batch']:.3f} ms/batch vs all-DRAM "
         f"{1e3 * tot['all_dram_seconds_per_batch']:.3f} ms/batch "
         f"({'calibrated' if cost.measured else 'built-in'} costs)",
     ]
+    if dram_used > args.dram:
+        lines.append(f"warning      the homes' indexes and the device caches' directories alone need "
+                     f"{dram_used - parts['cache_rows']:,} B of DRAM, more than --dram {args.dram:,}: "
+                     f"no DRAM cache fits; raise the budget")
     if args.out:
         lines.append(f"wrote {args.out}")
     print("\n".join(lines))

@@ -159,7 +159,8 @@ def tuned_dram_rows(sizes: list[int], batch: int, budget_bytes: int,
         offs.append(offs[-1] + sum(len(x) for x in b.ids))
     trace = Trace(np.concatenate(ids), np.concatenate(table), np.array(offs, np.int64),
                   tuple(f"c{i}" for i in range(len(sizes))))
-    plan = tune(trace, budget_bytes, row_bytes=ROW_BYTES, dim=DIM)
+    # rows only: the bench places the slot maps itself (--maps-in-budget), as in every recorded run
+    plan = tune(trace, budget_bytes, row_bytes=ROW_BYTES, dim=DIM, metadata_in_budget=False)
     rows = [min(p.dram_rows, n) for p, n in zip(plan.tables, sizes)]
     spare = budget_bytes - sum(rows) * ROW_BYTES
     for i in sorted(range(len(sizes)), key=lambda i: sizes[i]):
