@@ -10,7 +10,7 @@ answers:
 ``GET /v1/tables/{name}``          metadata, ``stats`` (per tier), ``pooled_cache``
 ``POST /v1/tables/{name}/lookup``  rows of ids (JSON or binary, see ``protocol``)
 ``POST /v1/tables/{name}/pooled``  pooled bags (JSON or binary)
-``PUT /v1/tables/{name}/rows``     overwrite rows; ``204``; token when one is set
+``PUT /v1/tables/{name}/rows``     overwrite rows; ``204`` once durable; token when one is set
 ``GET /v1/models``                 ``[{"name", "tables", "embedding_dim", "dense_in_features", ...}]``
 ``POST /v1/models/{name}/predict``  click probabilities of samples (JSON, see ``protocol``)
 ``POST /v1/admin/reload``          reopen the store (and its models) from disk; token when one is set
@@ -200,6 +200,9 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
             dim = served.service(name).table.dim
             ids, rows = await parse(protocol.parse_rows, body, settings.max_ids, dim)
             await offload(served.update, name, ids, rows)
+            if settings.durable_writes:
+                commit = served.service(name).commit
+                await commit.wait_durable(commit.note_write())
         return Response(status_code=204)
 
     @app.get("/v1/models", response_model=list[ModelInfo], responses=_errors(503))

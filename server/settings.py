@@ -24,6 +24,11 @@ class ServerSettings:
     - ``max_ids``: ids per request (lookup, pooled, rows); more is ``413``.
     - ``max_body_bytes``: request body size; more is ``413``.
     - ``request_timeout``: seconds before a request is answered ``504`` (0 = none).
+    - ``durable_writes``: ``PUT .../rows`` answers ``204`` only once the rows are
+      durable (the table is flushed; concurrent writers share one flush, a group
+      commit), so an acknowledged write survives a crash of the server or the
+      machine. Off: the answer comes when the rows are applied, and a crash
+      loses what the next periodic flush would have saved.
     - ``flush_interval``: seconds between flushes of written rows (0 = only on
       shutdown and reload).
     - ``batching``: coalesce concurrent lookups of a table into one tier read.
@@ -45,6 +50,7 @@ class ServerSettings:
     max_ids: int = 1_000_000
     max_body_bytes: int = 64 << 20
     request_timeout: float = 30.0
+    durable_writes: bool = True
     flush_interval: float = 1.0
     batching: bool = True
     batch_wait: float = 0.0

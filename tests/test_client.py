@@ -140,6 +140,63 @@ def test_update_with_token_then_reload(tmp_path):
         assert same_bits(store["user_id"].lookup(np.array([1, 2], np.int64)), rows)
 
 
+def _serve(store: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``embstore serve`` in a child process, once it answers /healthz."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "embstore.cli", "serve", str(store), "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/healthz").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_an_acknowledged_write_survives_sigkill_of_the_server(tmp_path, durable):
+    """No periodic flush and rows that stay dirty in the DRAM cache: only the durable acknowledgement
+    saves them. The run without it is the control: the same kill loses them."""
+    expected = make_store(tmp_path / "s")
+    flags = ["--flush-interval", "0"] + ([] if durable else ["--no-durable-writes"])
+    proc, url = _serve(tmp_path / "s", *flags)
+    written = {i: np.full((1, DIM), 0.25 * (i + 1), np.float32) for i in (1, 4, 7)}
+    try:
+        with LookupClient(url) as c:
+            for i, row in written.items():
+                c.update("user_id", [i], row)
+    finally:
+        proc.kill()  # SIGKILL right after the last 204: no shutdown flush
+        proc.wait(60)
+    with embstore.open(tmp_path / "s") as store:
+        got = store["user_id"].lookup(np.array(list(written), np.int64))
+    if durable:
+        assert same_bits(got, np.vstack(list(written.values())))
+    else:
+        assert same_bits(got, expected["rows"][list(written)])
+
+
+def test_concurrent_writes_share_flushes(tmp_path):
+    make_store(tmp_path / "s")
+    app = create_app(ServerSettings(store=tmp_path / "s", flush_interval=0))
+    with ServerThread(app) as srv:
+        import concurrent.futures as cf
+
+        def put(i: int) -> None:
+            with LookupClient(srv.url) as c:
+                c.update("user_id", [i % N], np.full((1, DIM), float(i), np.float32))
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            list(pool.map(put, range(64)))
+        commit = app.state.gate.current.service("user_id").commit
+        assert 1 <= commit.flushes < 64
+    with embstore.open(tmp_path / "s") as store:
+        assert (store["user_id"].lookup(np.arange(64, dtype=np.int64)) == np.arange(64)[:, None]).all()
+
+
 def test_embstore_serve_command_end_to_end(tmp_path):
     """`embstore serve` with a token file: writes need the token; Ctrl-C flushes them."""
     expected = make_store(tmp_path / "s")

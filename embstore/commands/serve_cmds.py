@@ -19,8 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve", help="serve a store over HTTP (lookups, pooled lookups, updates, metrics)",
         description="Serve STORE over HTTP: GET /healthz, GET /v1/tables[/NAME], POST /v1/tables/NAME/lookup "
                     "and /pooled (JSON or little-endian binary), PUT /v1/tables/NAME/rows, POST "
-                    "/v1/admin/reload, GET /metrics (Prometheus) and a status page at /. Written rows are "
-                    "flushed every --flush-interval seconds and on shutdown (Ctrl-C).")
+                    "/v1/admin/reload, GET /metrics (Prometheus) and a status page at /. A PUT is answered "
+                    "204 once its rows are durable (concurrent writes share one flush); with "
+                    "--no-durable-writes as soon as they are applied, and written rows are flushed every "
+                    "--flush-interval seconds and on shutdown (Ctrl-C).")
     p.add_argument("store", help="store directory (made with 'embstore create')")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0-65535; 0 picks a free one (default 8000)")
@@ -33,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="request body bytes; more is answered 413 (default 64 MiB)")
     p.add_argument("--request-timeout", type=nonneg_seconds, default=30.0,
                    help="seconds before a request is answered 504; 0 = no limit (default 30)")
+    p.add_argument("--no-durable-writes", dest="durable_writes", action="store_false",
+                   help="answer a PUT when its rows are applied, before they are durable: faster writes, but a "
+                        "crash loses those since the last flush")
     p.add_argument("--flush-interval", type=nonneg_seconds, default=1.0,
                    help="seconds between flushes of written rows; 0 = only on shutdown and reload (default 1)")
     p.add_argument("--batch-wait-ms", type=nonneg_seconds, default=0.0,
@@ -55,7 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise StoreNotFoundError(f"no embstore store at {store} (missing {MANIFEST_FILE})")
     token = ServerSettings.read_token(args.token_file) if args.token_file else None
     settings = ServerSettings(store=store, token=token, max_ids=args.max_ids, max_body_bytes=args.max_body_bytes,
-                              request_timeout=args.request_timeout, flush_interval=args.flush_interval,
+                              request_timeout=args.request_timeout, durable_writes=args.durable_writes,
+                              flush_interval=args.flush_interval,
                               batching=not args.no_batching, batch_wait=args.batch_wait_ms / 1000,
                               pooled_cache_bytes=args.pooled_cache_bytes, freeze_gc=True)
     level = logging.getLogger().getEffectiveLevel()
