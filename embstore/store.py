@@ -6,6 +6,7 @@
       config.toml        the tables' config (what `create` was given, normalised)
       manifest.json      format version and per-table layout; replaced atomically
       tables/NAME/       the table's tier files (home/, cache-N.mmap, ...)
+      wal/               write-ahead log of ``update_logged`` writes not flushed yet (``embstore.wal``)
 
 Both metadata files are written to a temporary file, fsynced and moved into
 place with ``os.replace`` (then the directory is fsynced), so a crash leaves
@@ -19,18 +20,20 @@ import json
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 from embstore.atomic import atomic_write
 from embstore.config import HashKind, StoreConfig, TableConfig
-from embstore.errors import (ConfigError, CorruptStoreError, StoreClosedError, StoreExistsError,
+from embstore.errors import (ConfigError, CorruptStoreError, EmbstoreError, StoreClosedError, StoreExistsError,
                              StoreNotFoundError, TableExistsError, UnknownTableError)
 from embstore.hierarchy import Hierarchy
 from embstore.rows import RowFormat, initial_rows
 from embstore.table import Table
 from embstore.tiers.base import close_all
 from embstore.tiers.factory import build_tiers
+from embstore.wal import WAL_DIR, WriteAheadLog, read_records
 
 log = logging.getLogger("embstore.store")
 
@@ -48,6 +51,8 @@ class Store:
         self._manifest = manifest
         self.tables: dict[str, Table] = {}
         self._closed = False
+        self._wal = WriteAheadLog(path / WAL_DIR)
+        self._wal_lock = threading.Lock()  # the log's order is the order writes are applied in
         for cfg in config.tables:
             self.tables[cfg.name] = self._open_table(cfg)
 
@@ -141,14 +146,58 @@ class Store:
     def flush(self) -> None:
         """Make every write acknowledged so far durable."""
         self._check_open()
+        with self._wal_lock:
+            sealed = self._wal.seal()  # what was logged before this point is applied: the flush covers it
         for t in self.tables.values():
             t.flush()
+        self._wal.drop_before(sealed)
+
+    def update_logged(self, name: str, ids: Any, rows: Any) -> None:
+        """``store[name].update(ids, rows)``, first appended to the store's write-ahead log, so that
+        :meth:`sync_log` makes it durable without a flush (the HTTP server acknowledges PUTs so).
+        A crash before the next flush is repaired by the next :func:`open`, which replays the log."""
+        table = self[name]
+        arr, vals = table.check_update(ids, rows)  # a write that would be refused is not logged
+        with self._wal_lock:
+            self._wal.append(name, arr, vals)
+            table.update(arr, vals)
+
+    def sync_log(self) -> None:
+        """Make every ``update_logged`` write so far durable: one ``fdatasync`` of the log, shared by
+        concurrent callers' writes (group commit), run outside the store's lock."""
+        self._check_open()
+        with self._wal_lock:
+            fd = self._wal.sync_handle()
+        if fd >= 0:
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+    def _replay_log(self) -> None:
+        """Apply what the write-ahead log holds (writes acknowledged before a crash), flush, drop it."""
+        replayed = 0
+        for name, ids, rows in read_records(self.path / WAL_DIR):
+            if name not in self.tables:
+                raise CorruptStoreError(f"{self.path / WAL_DIR}: a logged write to unknown table {name!r}")
+            try:
+                self.tables[name].update(ids, rows)
+            except EmbstoreError as exc:
+                raise CorruptStoreError(f"{self.path / WAL_DIR}: a logged write to {name!r} cannot be "
+                                        f"applied: {exc}") from exc
+            replayed += 1
+        if (self.path / WAL_DIR).is_dir() and any((self.path / WAL_DIR).iterdir()):
+            self.flush()  # seals nothing (no segment is open), so every segment goes
+            log.info("replayed %d logged writes into %s", replayed, self.path)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        close_all(list(self.tables.values()))  # every table, even when one fails
+        with self._wal_lock:
+            sealed = self._wal.seal()
+        close_all(list(self.tables.values()))  # every table, even when one fails (then raises)
+        self._wal.drop_before(sealed)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -236,4 +285,10 @@ def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
     missing = sorted(set(manifest["tables"]) - {t.name for t in cfg.tables})
     if missing:
         raise CorruptStoreError(f"{p / CONFIG_FILE} lacks table {missing[0]!r} listed in the manifest")
-    return Store(p, cfg, manifest)
+    store = Store(p, cfg, manifest)
+    try:
+        store._replay_log()
+    except BaseException:
+        close_all(list(store.tables.values()))
+        raise
+    return store

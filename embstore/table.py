@@ -192,16 +192,23 @@ class Table:
                 out = pool(self._read_unique(uniq), inv, offs, mode)
         return self._out(out, as_torch)
 
-    def update(self, ids: Any, rows: Any) -> None:
-        """Overwrite rows of ``ids``; for a repeated id (or ids hashed together) the last row wins."""
+    def _checked_update(self, ids: Any, rows: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         arr, _ = as_ids(ids)
         vals, _ = as_rows(rows, len(arr), self.dim)
         if self.mapper is not None and self.mapper.rows_per_id != 1:
             raise InvalidInputError(f"table {self.name!r}: rows of a QR-hashed table are combinations of two "
                                     "shared rows and cannot be overwritten one id at a time; train it instead")
+        return arr, vals, self.physical_rows(arr)
+
+    def check_update(self, ids: Any, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Every check ``update`` makes, without writing: (int64 ids, float32 rows) as it would write them."""
+        return self._checked_update(ids, rows)[:2]
+
+    def update(self, ids: Any, rows: Any) -> None:
+        """Overwrite rows of ``ids``; for a repeated id (or ids hashed together) the last row wins."""
+        arr, vals, phys = self._checked_update(ids, rows)
         with self._lock:
             self._check_open()
-            phys = self.physical_rows(arr)
             uniq, last = unique_last(phys)
             self.hierarchy.write(uniq, self.format.encode(vals[last]))
 

@@ -200,9 +200,8 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
             dim = served.service(name).table.dim
             ids, rows = await parse(protocol.parse_rows, body, settings.max_ids, dim)
             await offload(served.update, name, ids, rows)
-            if settings.durable_writes:
-                commit = served.service(name).commit
-                await commit.wait_durable(commit.note_write())
+            if settings.durable_writes:  # logged: one shared fdatasync of the store's write-ahead log
+                await served.commit.wait_durable(served.commit.note_write())
         return Response(status_code=204)
 
     @app.get("/v1/models", response_model=list[ModelInfo], responses=_errors(503))

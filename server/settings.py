@@ -25,10 +25,11 @@ class ServerSettings:
     - ``max_body_bytes``: request body size; more is ``413``.
     - ``request_timeout``: seconds before a request is answered ``504`` (0 = none).
     - ``durable_writes``: ``PUT .../rows`` answers ``204`` only once the rows are
-      durable (the table is flushed; concurrent writers share one flush, a group
-      commit), so an acknowledged write survives a crash of the server or the
-      machine. Off: the answer comes when the rows are applied, and a crash
-      loses what the next periodic flush would have saved.
+      durable: each write is appended to the store's write-ahead log, and
+      concurrent writers share one ``fdatasync`` of it (group commit), so an
+      acknowledged write survives a crash of the server or the machine (the
+      next open replays the log). Off: the answer comes when the rows are
+      applied, and a crash loses what the next periodic flush would have saved.
     - ``flush_interval``: seconds between flushes of written rows (0 = only on
       shutdown and reload).
     - ``batching``: coalesce concurrent lookups of a table into one tier read.

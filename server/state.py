@@ -68,12 +68,13 @@ INLINE_MAX_IDS = 1024  # memory-resident lookups up to this size run on the even
 
 
 class GroupCommit:
-    """Durable acknowledgements: a writer waits for a flush that began after its write was applied.
+    """Durable acknowledgements: a writer waits for a sync that began after its write was logged.
 
-    Writers arriving while a flush runs queue on one lock and share the next
-    flush, so N concurrent writes cost about two flushes, not N. The counters
-    live on the event loop; only the flush itself runs in a worker thread
-    (shielded: once started it finishes even if its request times out).
+    Writers arriving while a sync runs queue on one lock and share the next
+    one, so N concurrent writes cost about two syncs, not N. The counters live
+    on the event loop; only the sync itself (``Store.sync_log``: one
+    ``fdatasync`` of the write-ahead log) runs in a worker thread, shielded:
+    once started it finishes even if its request times out.
     """
 
     def __init__(self, flush: Callable[[], None]) -> None:
@@ -110,7 +111,6 @@ class TableService:
         # right now: a write or flush in progress sends the request to a worker thread instead, so
         # the event loop never waits on the lock.
         self._inline_ok = table.memory_resident
-        self.commit = GroupCommit(table.flush)
 
     def _inline(self, fn: Callable[..., T], n_ids: int, *args: Any) -> tuple[bool, T | None]:
         """(True, fn(*args)) run right here if that cannot block, else (False, None)."""
@@ -143,9 +143,10 @@ class TableService:
             return rows
         return await offload(self.cache.lookup_pooled, ids, offsets, mode)
 
-    def update(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Blocking: write, then invalidate the cached bags holding those rows."""
-        self.table.update(ids, rows)
+    def update(self, ids: np.ndarray, rows: np.ndarray, write: Callable[..., None] | None = None) -> None:
+        """Blocking: write (with ``write(ids, rows)`` if given), then invalidate the cached bags holding
+        those rows."""
+        (write or self.table.update)(ids, rows)
         self.cache.note_write(ids)
 
 
@@ -214,6 +215,8 @@ class Served:
         self.models, self.broken_models = load_models(store)
         self.services = {name: TableService(t, settings) for name, t in store.tables.items()}
         self.dirty = False  # rows written since the last flush
+        self.durable_writes = settings.durable_writes
+        self.commit = GroupCommit(store.sync_log)
 
     def model(self, name: str) -> ModelService:
         try:
@@ -241,7 +244,9 @@ class Served:
             raise UnknownTableError(name, list(self.services)) from None
 
     def update(self, name: str, ids: np.ndarray, rows: np.ndarray) -> None:
-        self.service(name).update(ids, rows)
+        """Blocking: apply a write; with durable writes also log it (``commit`` then makes it durable)."""
+        logged = (lambda i, r: self.store.update_logged(name, i, r)) if self.durable_writes else None
+        self.service(name).update(ids, rows, logged)
         self.dirty = True
 
     def flush(self) -> None:

@@ -179,7 +179,7 @@ def test_an_acknowledged_write_survives_sigkill_of_the_server(tmp_path, durable)
         assert same_bits(got, expected["rows"][list(written)])
 
 
-def test_concurrent_writes_share_flushes(tmp_path):
+def test_concurrent_writes_share_log_syncs(tmp_path):
     make_store(tmp_path / "s")
     app = create_app(ServerSettings(store=tmp_path / "s", flush_interval=0))
     with ServerThread(app) as srv:
@@ -191,7 +191,7 @@ def test_concurrent_writes_share_flushes(tmp_path):
 
         with cf.ThreadPoolExecutor(16) as pool:
             list(pool.map(put, range(64)))
-        commit = app.state.gate.current.service("user_id").commit
+        commit = app.state.gate.current.commit
         assert 1 <= commit.flushes < 64
     with embstore.open(tmp_path / "s") as store:
         assert (store["user_id"].lookup(np.arange(64, dtype=np.int64)) == np.arange(64)[:, None]).all()

@@ -1,0 +1,146 @@
+"""Write-ahead log: durable writes for the price of the rows written, not of a flush.
+
+``Store.flush()`` rewrites each home's whole index (a presence bitmap, or the
+``log`` layout's slot map: 4 MB for a 1M-row table), so flushing to acknowledge
+every small write costs the table's size. ``Store.update_logged`` instead
+applies a write and appends it here; ``Store.sync_log()`` (one ``fdatasync``,
+shared by every write appended before it) makes it durable. A flush seals the
+current segment first and deletes the sealed ones once the tables are
+flushed; opening a store replays what is left, flushes and deletes it.
+
+::
+
+    STORE/wal/00000001.log, 00000002.log, ...   segments, replayed in order
+
+A record is ``<magic u32, payload bytes u32, crc32 u32>`` then the payload:
+``name bytes u16, name, n u32, dim u32, ids int64[n], rows float32[n, dim]``
+(little-endian). Records are appended whole with one ``write``; a crash can
+leave only the last one torn, and replay stops at the first record that is
+short or fails its checksum (it was never acknowledged: its sync did not
+return).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from embstore.atomic import fsync_dir
+
+__all__ = ["WAL_DIR", "WriteAheadLog", "read_records"]
+
+log = logging.getLogger("embstore.wal")
+
+WAL_DIR = "wal"
+_HEADER = struct.Struct("<III")
+_MAGIC = 0x314C5745  # b"EWL1"
+_COUNTS = struct.Struct("<II")
+
+
+def _segments(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.log")) if directory.is_dir() else []
+
+
+def _encode(table: str, ids: np.ndarray, rows: np.ndarray) -> bytes:
+    name = table.encode()
+    payload = b"".join([struct.pack("<H", len(name)), name, _COUNTS.pack(len(ids), rows.shape[1]),
+                        np.ascontiguousarray(ids, "<i8").tobytes(), np.ascontiguousarray(rows, "<f4").tobytes()])
+    return _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def _decode(payload: bytes) -> tuple[str, np.ndarray, np.ndarray]:
+    (name_len,) = struct.unpack_from("<H", payload, 0)
+    name = payload[2:2 + name_len].decode()
+    n, dim = _COUNTS.unpack_from(payload, 2 + name_len)
+    at = 2 + name_len + _COUNTS.size
+    ids = np.frombuffer(payload, "<i8", n, at).astype(np.int64)
+    rows = np.frombuffer(payload, "<f4", n * dim, at + 8 * n).reshape(n, dim).astype(np.float32)
+    return name, ids, rows
+
+
+def read_records(directory: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """Every whole record of the log in ``directory``, oldest first, up to the first torn one."""
+    for path in _segments(Path(directory)):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            if len(data) - at < _HEADER.size:
+                break
+            magic, size, crc = _HEADER.unpack_from(data, at)
+            payload = data[at + _HEADER.size:at + _HEADER.size + size]
+            if magic != _MAGIC or len(payload) != size or zlib.crc32(payload) != crc:
+                break
+            yield _decode(payload)
+            at += _HEADER.size + size
+        if at < len(data):
+            log.warning("write-ahead log %s: %d bytes after offset %d are a torn or damaged record; "
+                        "ignored (never acknowledged)", path, len(data) - at, at)
+            return
+
+
+class WriteAheadLog:
+    """Appends and syncs records in ``directory`` (created on the first append).
+
+    Not thread-safe by itself: the store orders appends, seals and drops under
+    one lock, so that the log's order is the order the writes were applied in.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        existing = _segments(self.directory)
+        self._seq = int(existing[-1].stem) + 1 if existing else 1
+        self._fd = -1
+        self.bytes_appended = 0
+
+    def _segment(self, seq: int) -> Path:
+        return self.directory / f"{seq:08d}.log"
+
+    def append(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        if self._fd < 0:
+            self.directory.mkdir(exist_ok=True)
+            self._fd = os.open(self._segment(self._seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            fsync_dir(self.directory)
+        record = _encode(table, ids, rows)
+        view = memoryview(record)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self.bytes_appended += len(record)
+
+    def sync(self) -> None:
+        """Make every record appended so far durable."""
+        if self._fd >= 0:
+            os.fdatasync(self._fd)
+
+    def sync_handle(self) -> int:
+        """A duplicate of the current segment's descriptor (-1 when none is open): the caller may
+        ``fdatasync`` and close it outside the store's lock, while appends and seals go on."""
+        return os.dup(self._fd) if self._fd >= 0 else -1
+
+    def seal(self) -> int:
+        """Sync and close the current segment; later appends go to a new one. Returns the first
+        sequence number not sealed: segments below it may go once the store is flushed."""
+        if self._fd >= 0:
+            os.fdatasync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            self._seq += 1
+        return self._seq
+
+    def drop_before(self, seq: int) -> None:
+        """Delete the sealed segments below ``seq`` (their writes are in the flushed tables)."""
+        gone = [p for p in _segments(self.directory) if int(p.stem) < seq]
+        for p in gone:
+            p.unlink()
+        if gone:
+            fsync_dir(self.directory)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

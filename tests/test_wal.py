@@ -1,0 +1,141 @@
+"""The store's write-ahead log: logged writes survive SIGKILL without a flush, torn tails are ignored,
+replay keeps the order writes were applied in, and flushes drop only what they cover."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import embstore
+from embstore.config import StoreConfig, TableConfig, TierConfig
+from embstore.wal import WAL_DIR, read_records
+
+ROWS, DIM = 200, 4
+CONFIG = StoreConfig((TableConfig("t", ROWS, DIM, tiers=(TierConfig("dram", 64 * DIM * 4, "lru"), TierConfig("ssd"))),
+                      TableConfig("h", ROWS, DIM, hash={"kind": "mod"},
+                                  tiers=(TierConfig("dram", 64 * DIM * 4, "lru"), TierConfig("ssd")))))
+
+
+def run_and_kill(store_path, body: str) -> None:
+    """Run ``body`` (with ``store`` open, ``np`` imported) in a child that SIGKILLs itself at the end."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        import numpy as np
+        import embstore
+        store = embstore.open({str(store_path)!r})
+    """) + textwrap.dedent(body) + "\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr
+
+
+def rows_of(value: float) -> np.ndarray:
+    return np.full((1, DIM), value, np.float32)
+
+
+@pytest.fixture()
+def store_path(tmp_path):
+    embstore.create(tmp_path / "s", CONFIG).close()
+    return tmp_path / "s"
+
+
+def test_synced_writes_survive_sigkill_and_unlogged_ones_do_not(store_path) -> None:
+    run_and_kill(store_path, """
+        for i in range(5):
+            store.update_logged("t", np.array([i]), np.full((1, 4), i + 1.0, np.float32))
+        store.update_logged("h", np.array([2**40 + 3]), np.full((1, 4), 7.0, np.float32))
+        store["t"].update(np.array([9]), np.full((1, 4), 9.0, np.float32))  # not logged, never flushed
+        store.sync_log()
+    """)
+    with embstore.open(store_path) as s:
+        got = s["t"].lookup(np.arange(10, dtype=np.int64))
+        assert (got[:5] == np.arange(1, 6, dtype=np.float32)[:, None]).all()
+        assert not (got[9] == 9.0).all()  # the control: an unlogged write died with the process
+        assert (s["h"].lookup(np.array([2**40 + 3])) == 7.0).all()
+    assert not any((store_path / WAL_DIR).iterdir())  # replayed, flushed and dropped on open
+
+
+def test_writes_after_a_flush_stay_logged_and_the_last_write_wins(store_path) -> None:
+    run_and_kill(store_path, """
+        store.update_logged("t", np.array([1, 2]), np.full((2, 4), 1.0, np.float32))
+        store.flush()
+        store.update_logged("t", np.array([2, 3]), np.full((2, 4), 2.0, np.float32))
+        store.update_logged("t", np.array([3]), np.full((1, 4), 3.0, np.float32))
+        store.sync_log()
+    """)
+    with embstore.open(store_path) as s:
+        assert (s["t"].lookup(np.array([1, 2, 3])) == np.array([[1.0], [2.0], [3.0]], np.float32)).all()
+
+
+def test_a_torn_tail_is_ignored_and_whole_records_are_replayed(store_path) -> None:
+    run_and_kill(store_path, """
+        for i in range(3):
+            store.update_logged("t", np.array([i]), np.full((1, 4), 10.0 + i, np.float32))
+        store.sync_log()
+    """)
+    (segment,) = sorted((store_path / WAL_DIR).iterdir())
+    data = segment.read_bytes()
+    segment.write_bytes(data[:-5])  # the third record loses its last bytes, as a crash mid-append would
+    assert [int(ids[0]) for _, ids, _ in read_records(store_path / WAL_DIR)] == [0, 1]
+    with embstore.open(store_path) as s:
+        got = s["t"].lookup(np.arange(3, dtype=np.int64))
+    assert (got[:2] == np.array([[10.0], [11.0]], np.float32)).all() and not (got[2] == 12.0).all()
+
+
+def test_a_refused_write_is_not_logged(store_path) -> None:
+    with embstore.open(store_path) as s:
+        for ids, rows in [(np.array([ROWS]), rows_of(1.0)), (np.array([1]), rows_of(np.nan)),
+                          (np.array([1]), np.ones((1, DIM + 1), np.float32))]:
+            with pytest.raises(ValueError):
+                s.update_logged("t", ids, rows)
+        assert list(read_records(store_path / WAL_DIR)) == []
+
+
+def test_a_logged_write_to_an_unknown_table_is_a_corrupt_store(store_path) -> None:
+    run_and_kill(store_path, """
+        store.update_logged("t", np.array([1]), np.full((1, 4), 1.0, np.float32))
+        store.sync_log()
+    """)
+    (segment,) = sorted((store_path / WAL_DIR).iterdir())
+    segment.write_bytes(segment.read_bytes().replace(b"\x01\x00t", b"\x01\x00x"))
+    segment_crc_fixed = _refresh_crc(segment.read_bytes())
+    segment.write_bytes(segment_crc_fixed)
+    with pytest.raises(embstore.CorruptStoreError, match="unknown table 'x'"):
+        embstore.open(store_path)
+
+
+def _refresh_crc(record: bytes) -> bytes:
+    import struct
+    import zlib
+
+    magic, size, _ = struct.unpack_from("<III", record)
+    payload = record[12:12 + size]
+    return struct.pack("<III", magic, size, zlib.crc32(payload)) + payload
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("w"), st.lists(st.integers(0, 20), min_size=1, max_size=4),
+                                    st.floats(-4, 4, allow_nan=False, width=32)),
+                          st.tuples(st.just("flush"), st.just([]), st.just(0.0))), min_size=1, max_size=12))
+def test_any_sequence_of_logged_writes_and_flushes_survives_a_kill(tmp_path_factory, ops) -> None:
+    path = tmp_path_factory.mktemp("wal") / "s"
+    embstore.create(path, CONFIG).close()
+    model: dict[int, float] = {}
+    lines = []
+    for kind, ids, value in ops:
+        if kind == "flush":
+            lines.append("store.flush()")
+        else:
+            lines.append(f"store.update_logged('t', np.array({ids}), np.full(({len(ids)}, 4), {value!r}, np.float32))")
+            model.update({i: np.float32(value) for i in ids})
+    lines.append("store.sync_log()")
+    run_and_kill(path, "\n".join(lines))
+    with embstore.open(path) as s:
+        keys = np.array(sorted(model), np.int64)
+        np.testing.assert_array_equal(s["t"].lookup(keys)[:, 0], np.array([model[k] for k in keys], np.float32))
