@@ -16,6 +16,24 @@ from typing import Any
 import uvicorn
 
 
+def wait_healthy(url: str, proc: Any = None, timeout: float = 120.0) -> None:
+    """Poll ``url``/healthz until it answers 200; fail early when ``proc`` (a server subprocess) exits."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} during startup")
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer /healthz within {timeout} s")
+        time.sleep(0.1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ import embstore
 from embstore.client import LookupClient, ServerError
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.server import ServerSettings, create_app
-from embstore.server.testing import ServerThread, free_port
+from embstore.server.testing import ServerThread, free_port, wait_healthy
 
 TOKEN = "client-test-token"
 N, DIM = 500, 6
@@ -146,14 +145,8 @@ def _serve(store: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "embstore.cli", "serve", str(store), "--port", str(port), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/healthz").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.1)
+    wait_healthy(url, proc)
+    return proc, url
 
 
 @pytest.mark.parametrize("durable", [True, False])
@@ -201,20 +194,9 @@ def test_embstore_serve_command_end_to_end(tmp_path):
     """`embstore serve` with a token file: writes need the token; Ctrl-C flushes them."""
     expected = make_store(tmp_path / "s")
     (tmp_path / "token").write_text(TOKEN + "\n")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "embstore.cli", "serve", str(tmp_path / "s"), "--port", str(port),
-                             "--token-file", str(tmp_path / "token"), "--flush-interval", "0", "--max-ids", "10"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = _serve(tmp_path / "s", "--token-file", str(tmp_path / "token"), "--flush-interval", "0",
+                       "--max-ids", "10")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-                time.sleep(0.1)
         with LookupClient(url) as anonymous, LookupClient(url, token=TOKEN) as c:
             with pytest.raises(ServerError) as info:
                 anonymous.update("user_id", [1], np.ones((1, DIM)))

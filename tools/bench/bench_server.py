@@ -99,19 +99,10 @@ class Server:
                                       str(self.port), *args[2:]])
 
     def __enter__(self) -> "Server":
-        import httpx
+        from embstore.server.testing import wait_healthy
 
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("server did not start")
+        wait_healthy(self.url, self.proc)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()

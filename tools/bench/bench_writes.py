@@ -43,18 +43,10 @@ class ServeProcess:
                                       str(self.port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def __enter__(self) -> "ServeProcess":
-        import httpx
+        from embstore.server.testing import wait_healthy
 
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise TimeoutError("server did not start")
+        wait_healthy(self.url, self.proc)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
