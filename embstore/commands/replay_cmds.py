@@ -148,7 +148,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_format_replay(records, args, cost))
     if args.plot:
-        _plot(groups, args.policy, args.plot)
+        _plot(groups, args.policy, args.plot, args.capacity)
         if not args.json:
             print(f"wrote {args.plot}")
     return 0
@@ -175,7 +175,9 @@ def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmode
     return "\n".join(lines) + "\n"
 
 
-def _plot(groups, policies: list[str], path: str) -> None:
+def _plot(groups, policies: list[str], path: str, marks: list[int | float] = ()) -> None:
+    """Miss ratio against capacity as a share of the distinct rows (log scale), one panel per group;
+    Belady's MIN dashed, the capacities asked for as dotted verticals."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,14 +189,18 @@ def _plot(groups, policies: list[str], path: str) -> None:
     with progress_bar(total=len(groups) * (len(policies) + 1), desc="curves", unit="curve", leave=False) as bar:
         for ax, (name, k, o) in zip(axes[0], groups):
             uniq = max(1, int(np.unique(k).size))
-            caps = np.unique(np.geomspace(1, uniq, num=24).astype(np.int64))
+            caps = np.unique(np.geomspace(max(1.0, uniq / 10_000), uniq, num=32).astype(np.int64))
             n = max(1, k.size)
-            for pol in [*policies, "belady"]:
+            for i, pol in enumerate([*policies, "belady"]):
                 hits = miss_ratio_curve(k, o, caps, pol, dedup=False)
-                ax.plot(caps, 1 - hits / n, label=pol, linestyle="--" if pol == "belady" else "-")
+                style = dict(color="black", linestyle="--") if pol == "belady" else \
+                    dict(linestyle=("-", "-.", ":")[i % 3], linewidth=1.6)
+                ax.plot(100 * caps / uniq, 1 - hits / n, label=pol, **style)
                 bar.update(1)
+            for cap in marks:
+                ax.axvline(100 * _rows(cap, uniq) / uniq, color="grey", linestyle=":", linewidth=0.8)
             ax.set_xscale("log")
-            ax.set_xlabel("cache capacity (rows)")
+            ax.set_xlabel(f"cache capacity (% of the {uniq:,} distinct rows)")
             ax.set_ylabel("miss ratio")
             ax.set_title(f"miss-ratio curves: {name}")
             ax.legend()
