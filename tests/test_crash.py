@@ -3,7 +3,10 @@
 After reopening, every row acknowledged by a completed flush() holds exactly
 its value, and every other row holds either its initial value or exactly a
 value that was written (no torn rows). 3 trials per home in the default run,
-20 in the slow suite.
+20 in the slow suite. The logged variant writes through the write-ahead log
+(``update_logged``) and acknowledges after each ``sync_log()``, with flushes
+(which seal and drop log segments) in between: the reopened store replays
+the log.
 """
 
 from __future__ import annotations
@@ -41,17 +44,32 @@ while True:
 """
 
 
+LOGGED_CHILD = r"""
+import sys, numpy as np, embstore
+store = embstore.open(sys.argv[1])
+step = 0
+while True:
+    ids = np.arange(step * {per}, (step + 1) * {per}, dtype=np.int64) % {rows}
+    store.update_logged("t", ids, np.full((len(ids), {dim}), step + 1, np.float32) + ids[:, None] / 1e6)
+    store.sync_log()
+    print(step, flush=True)
+    if step % 7 == 6:
+        store.flush()
+    step += 1
+"""
+
+
 def expected_row(step: int, i: int) -> np.ndarray:
     return np.full(DIM, step + 1, np.float32) + np.float32(i / 1e6)
 
 
-def run_trial(tmp: Path, home: str, rng: random.Random) -> None:
+def run_trial(tmp: Path, home: str, rng: random.Random, logged: bool = False) -> None:
     cfg = TableConfig("t", ROWS, DIM, tiers=(TierConfig("dram", 300 * DIM * 4, "lru"), home_tier(home)))
     embstore.create(tmp / "s", StoreConfig((cfg,))).close()
-    code = CHILD.format(per=PER_STEP, rows=ROWS, dim=DIM)
+    code = (LOGGED_CHILD if logged else CHILD).format(per=PER_STEP, rows=ROWS, dim=DIM)
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp / "s")], stdout=subprocess.PIPE, text=True)
     acks: list[int] = []
-    want = rng.randint(1, 12)
+    want = rng.randint(1, 60 if logged else 12)
     deadline = time.monotonic() + 60
     while len(acks) < want and time.monotonic() < deadline:
         line = child.stdout.readline()
@@ -89,3 +107,18 @@ def test_crash_keeps_flushed_rows_20_trials(home: str, tmp_path) -> None:
     rng = random.Random(home + "slow")
     for trial in range(20):
         run_trial(tmp_path / f"{trial}", home, rng)
+
+
+@pytest.mark.parametrize("home", ["ssd", "ssd-log"])
+def test_crash_keeps_logged_rows(home: str, tmp_path) -> None:
+    rng = random.Random(home + "logged")
+    for trial in range(3):
+        run_trial(tmp_path / f"{trial}", home, rng, logged=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("home", ["ssd", "ssd-log", "rocksdb", "mmap"])
+def test_crash_keeps_logged_rows_20_trials(home: str, tmp_path) -> None:
+    rng = random.Random(home + "logged-slow")
+    for trial in range(20):
+        run_trial(tmp_path / f"{trial}", home, rng, logged=True)
