@@ -151,7 +151,8 @@ class LookupClient:
                           body, params={"num_bags": len(offs) - 1, "mode": mode})
 
     def update(self, table: str, ids: Any, rows: Any) -> None:
-        """Overwrite the rows of ``ids`` (float rows of shape (len(ids), dim))."""
+        """Overwrite the rows of ``ids`` (float rows of shape (len(ids), dim)). Returns once the server
+        has made them durable (logged and synced), unless it runs with ``--no-durable-writes``."""
         arr = _ids(ids)
         values = np.asarray(rows, dtype=np.float32)
         self._request("PUT", self._table(table, "rows"), json={"ids": arr.tolist(), "embeddings": values.tolist()})
