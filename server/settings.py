@@ -30,8 +30,12 @@ class ServerSettings:
       acknowledged write survives a crash of the server or the machine (the
       next open replays the log). Off: the answer comes when the rows are
       applied, and a crash loses what the next periodic flush would have saved.
-    - ``flush_interval``: seconds between flushes of written rows (0 = only on
-      shutdown and reload).
+    - ``flush_interval``: seconds between flushes of written rows into the tiers
+      (0 = only on shutdown and reload). With durable writes the log already
+      keeps them safe, and a flush rewrites each written table's home index
+      (4 bytes per row for a ``log`` home), so the default is a rare 30 s; it
+      bounds the log's size and the replay on the next open. Without durable
+      writes it is the window of writes a crash can lose: choose ~1 s.
     - ``batching``: coalesce concurrent lookups of a table into one tier read.
     - ``batch_wait``: seconds an idle table waits for more lookups before
       reading (at most 0.1). The default 0 coalesces what queues up while a
@@ -52,7 +56,7 @@ class ServerSettings:
     max_body_bytes: int = 64 << 20
     request_timeout: float = 30.0
     durable_writes: bool = True
-    flush_interval: float = 1.0
+    flush_interval: float = 30.0
     batching: bool = True
     batch_wait: float = 0.0
     batch_max_ids: int = 1 << 16

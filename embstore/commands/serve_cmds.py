@@ -38,9 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-durable-writes", dest="durable_writes", action="store_false",
                    help="answer a PUT when its rows are applied, before they are durable: faster writes, but a "
                         "crash loses those since the last flush")
-    p.add_argument("--flush-interval", type=nonneg_seconds, default=1.0,
+    p.add_argument("--flush-interval", type=nonneg_seconds, default=30.0,
                    help="seconds between flushes of written rows into the tiers (each also empties the write-ahead "
-                        "log); 0 = only on shutdown and reload, the log growing until then (default 1)")
+                        "log, and rewrites the written tables' home indexes); 0 = only on shutdown and reload, the "
+                        "log growing until then; with --no-durable-writes, the window a crash can lose (default 30)")
     p.add_argument("--batch-wait-ms", type=nonneg_seconds, default=0.0,
                    help="milliseconds an idle table waits for more lookups to read together; 0 = coalesce only "
                         "what queues up while a read runs (default 0, at most 100)")

@@ -5,9 +5,10 @@
 
 Two ``embstore serve`` processes over two copies of one store (a table whose
 DRAM cache holds 10% of its rows above an ssd home, ``--layout`` in_place or
-log) run at once: one answers a PUT once its rows are durable (the default;
-concurrent writers share one flush), the other with ``--no-durable-writes``
-(answer on apply; a flush every second). ``--concurrency`` clients each keep
+log) run at once: one answers a PUT once its rows are durable (the defaults:
+logged, concurrent writers share one sync, a flush every 30 s), the other
+with ``--no-durable-writes --flush-interval 1`` (answer on apply; a crash
+loses up to a second of writes). ``--concurrency`` clients each keep
 one PUT of ``--rows-per-put`` random rows in flight; the sides take turns in
 windows (A B A B ...), medians over the rounds. Figure: requests/s and
 p50/p99 of each side, and the ratio durable / on-apply.
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         embstore.create(f"{tmp}/a", cfg).close()
         shutil.copytree(f"{tmp}/a", f"{tmp}/b")
         with ServeProcess(Path(f"{tmp}/a")) as durable, \
-                ServeProcess(Path(f"{tmp}/b"), "--no-durable-writes") as on_apply:
+                ServeProcess(Path(f"{tmp}/b"), "--no-durable-writes", "--flush-interval", "1") as on_apply:
             sides = {"durable": durable.url, "on_apply": on_apply.url}
             for url in sides.values():  # warm-up
                 put_load(url, bodies, 0.5, 0.0, args.concurrency)
