@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from embstore.atomic import fsync_dir
+from embstore.errors import CorruptStoreError
 
 __all__ = ["WAL_DIR", "WriteAheadLog", "read_records"]
 
@@ -44,7 +45,8 @@ _COUNTS = struct.Struct("<II")
 
 
 def _segments(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*.log")) if directory.is_dir() else []
+    """The log's segment files, oldest first (other files in the folder are not the log's)."""
+    return sorted(directory.glob("[0-9]" * 8 + ".log")) if directory.is_dir() else []
 
 
 def _encode(table: str, ids: np.ndarray, rows: np.ndarray) -> bytes:
@@ -65,8 +67,11 @@ def _decode(payload: bytes) -> tuple[str, np.ndarray, np.ndarray]:
 
 
 def read_records(directory: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    """Every whole record of the log in ``directory``, oldest first, up to the first torn one."""
-    for path in _segments(Path(directory)):
+    """Every whole record of the log in ``directory``, oldest first, up to a torn tail of the last
+    segment. A damaged record in an earlier segment (sealed, so synced whole) is a
+    ``CorruptStoreError``: the writes after it were acknowledged and cannot be skipped."""
+    segments = _segments(Path(directory))
+    for n, path in enumerate(segments):
         data = path.read_bytes()
         at = 0
         while at < len(data):
@@ -79,9 +84,11 @@ def read_records(directory: str | os.PathLike[str]) -> Iterator[tuple[str, np.nd
             yield _decode(payload)
             at += _HEADER.size + size
         if at < len(data):
-            log.warning("write-ahead log %s: %d bytes after offset %d are a torn or damaged record; "
-                        "ignored (never acknowledged)", path, len(data) - at, at)
-            return
+            if n < len(segments) - 1:
+                raise CorruptStoreError(f"write-ahead log {path}: the record at offset {at} is damaged, and "
+                                        "later segments hold acknowledged writes")
+            log.warning("write-ahead log %s: %d bytes after offset %d are a torn record; ignored (never "
+                        "acknowledged)", path, len(data) - at, at)
 
 
 class WriteAheadLog:
@@ -111,11 +118,6 @@ class WriteAheadLog:
         while view:
             view = view[os.write(self._fd, view):]
         self.bytes_appended += len(record)
-
-    def sync(self) -> None:
-        """Make every record appended so far durable."""
-        if self._fd >= 0:
-            os.fdatasync(self._fd)
 
     def sync_handle(self) -> int:
         """A duplicate of the current segment's descriptor (-1 when none is open): the caller may

@@ -3,7 +3,6 @@ replay keeps the order writes were applied in, and flushes drop only what they c
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -86,6 +85,22 @@ def test_a_torn_tail_is_ignored_and_whole_records_are_replayed(store_path) -> No
     with embstore.open(store_path) as s:
         got = s["t"].lookup(np.arange(3, dtype=np.int64))
     assert (got[:2] == np.array([[10.0], [11.0]], np.float32)).all() and not (got[2] == 12.0).all()
+
+
+def test_damage_before_the_last_segment_is_refused_not_skipped(store_path) -> None:
+    run_and_kill(store_path, """
+        store.update_logged("t", np.array([1]), np.full((1, 4), 1.0, np.float32))
+        store.flush()
+        store.update_logged("t", np.array([2]), np.full((1, 4), 2.0, np.float32))
+        store._wal.seal()  # as a flush that died before dropping segments would leave it
+        store.update_logged("t", np.array([3]), np.full((1, 4), 3.0, np.float32))
+        store.sync_log()
+    """)
+    first, last = sorted((store_path / WAL_DIR).glob("*.log"))
+    (store_path / WAL_DIR / "notes.txt").write_text("not a segment")
+    first.write_bytes(first.read_bytes()[:-1])
+    with pytest.raises(embstore.CorruptStoreError, match="later segments hold acknowledged writes"):
+        embstore.open(store_path)
 
 
 def test_a_refused_write_is_not_logged(store_path) -> None:
