@@ -188,7 +188,8 @@ class Store:
             replayed += 1
         if (self.path / WAL_DIR).is_dir() and any((self.path / WAL_DIR).iterdir()):
             self.flush()  # seals nothing (no segment is open), so every segment goes
-            log.info("replayed %d logged writes into %s", replayed, self.path)
+            log.warning("%s was not closed cleanly: replayed %d logged writes from its write-ahead log",
+                        self.path, replayed)
 
     def close(self) -> None:
         if self._closed:
