@@ -37,6 +37,9 @@ def check_all(tier: LogSSDTier, model: dict[int, np.ndarray]) -> None:
     for i in model:
         np.testing.assert_array_equal(rows[i], model[i], err_msg=f"row {i}")
     assert int(tier._live.sum()) == tier.resident_rows == len(model)  # live counts agree with the map
+    free = tier._free[tier._free_head:]
+    assert len(np.unique(free)) == len(free) and not tier._live[free].any()  # a free block is empty, once
+    assert np.all(np.diff(free) > 0)  # kept sorted: taken from the front
 
 
 def test_writes_never_read_but_in_place_does(tmp_path: Path) -> None:
@@ -151,6 +154,112 @@ def test_unflushed_writes_are_not_visible_after_a_lost_process(tmp_path: Path) -
     tier.closed = True
     again = LogSSDTier(tmp_path / "t", 1000, 64)
     check_all(again, {int(i): r for i, r in zip(ids, rows_for(ids, 64, 1))})
+    again.close()
+
+
+def _lose_process(tier: LogSSDTier) -> None:
+    tier._release()  # drop the file descriptors the way a killed process would
+    tier.closed = True
+
+
+def test_a_flush_appends_the_moved_rows_instead_of_rewriting_the_map(tmp_path: Path) -> None:
+    tier = LogSSDTier(tmp_path / "t", 100_000, 64)
+    ids = np.arange(0, 100_000, 7, dtype=np.int64)
+    tier.put(ids, rows_for(ids, 64, 1))
+    tier.flush()
+    map_file, delta_file = tmp_path / "t" / ssd.LOG_MAP_FILE, tmp_path / "t" / ssd_log.LOG_DELTA_FILE
+    before, logged = map_file.read_bytes(), delta_file.stat().st_size
+    model = {int(i): r for i, r in zip(ids, rows_for(ids, 64, 1))}
+    for version in (2, 3):
+        few = ids[version * 10:version * 10 + 50]
+        tier.put(few, rows_for(few, 64, version))
+        tier.delete(ids[-version:])
+        tier.flush()
+        model.update({int(i): r for i, r in zip(few, rows_for(few, 64, version))})
+        for i in ids[-version:]:
+            model.pop(int(i), None)
+    assert map_file.read_bytes() == before  # 400 KB map untouched
+    assert 0 < delta_file.stat().st_size - logged < 5_000  # two records of ~52 moved rows
+    tier.put(ids[:5], rows_for(ids[:5], 64, 9))  # not flushed: lost with the process
+    _lose_process(tier)
+    again = LogSSDTier(tmp_path / "t", 100_000, 64)
+    check_all(again, model)
+    assert not delta_file.exists() and map_file.read_bytes() != before  # folded into the map on open
+    again.close()
+
+
+def test_deltas_are_folded_into_the_map_once_they_outgrow_it(tmp_path: Path) -> None:
+    tier = LogSSDTier(tmp_path / "t", 2_000, 64)
+    delta_file = tmp_path / "t" / ssd_log.LOG_DELTA_FILE
+    model = {}
+    sizes = []
+    for version in range(1, 40):
+        ids = np.arange(version * 37 % 2_000, version * 37 % 2_000 + 60, dtype=np.int64) % 2_000
+        tier.put(ids, rows_for(ids, 64, version))
+        model.update({int(i): r for i, r in zip(ids, rows_for(ids, 64, version))})
+        tier.flush()
+        sizes.append(delta_file.stat().st_size if delta_file.exists() else 0)
+    assert max(sizes) <= tier._slot_of.nbytes and 0 in sizes[2:]  # bounded by the map; compacted on the way
+    _lose_process(tier)
+    again = LogSSDTier(tmp_path / "t", 2_000, 64)
+    check_all(again, model)
+    again.close()
+
+
+@pytest.mark.parametrize("damage", ["torn-last", "other-map"])
+def test_a_torn_or_foreign_delta_record_is_ignored(tmp_path: Path, damage: str) -> None:
+    tier = LogSSDTier(tmp_path / "t", 1_000, 64)
+    delta_file = tmp_path / "t" / ssd_log.LOG_DELTA_FILE
+    ids = np.arange(100, dtype=np.int64)
+    tier.put(ids, rows_for(ids, 64, 1))
+    tier.flush()
+    tier.put(ids[:10], rows_for(ids[:10], 64, 2))
+    tier.flush()
+    first = delta_file.read_bytes()
+    tier.put(ids[:10], rows_for(ids[:10], 64, 3))
+    tier.flush()
+    _lose_process(tier)
+    model = {int(i): r for i, r in zip(ids, rows_for(ids, 64, 1))}
+    if damage == "torn-last":  # the third commit never finished: rows read as of the second
+        delta_file.write_bytes(delta_file.read_bytes()[:-3])
+        model.update({int(i): r for i, r in zip(ids[:10], rows_for(ids[:10], 64, 2))})
+    else:  # records that follow another slots.bin (a crash between rewriting the map and removing
+        data = bytearray(delta_file.read_bytes())  # them leaves such): none is applied, from the first on
+        data[8] ^= 0xFF
+        delta_file.write_bytes(bytes(data))
+        model = {}  # every commit here was a record: slots.bin is the empty map of creation
+    assert len(first) > 0
+    again = LogSSDTier(tmp_path / "t", 1_000, 64)
+    check_all(again, model)
+    again.close()
+
+
+def test_a_failed_delta_append_leads_to_a_whole_map_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = LogSSDTier(tmp_path / "t", 1_000, 64)
+    ids = np.arange(100, dtype=np.int64)
+    tier.put(ids, rows_for(ids, 64, 1))
+    tier.flush()
+    tier.put(ids[:10], rows_for(ids[:10], 64, 2))
+    real = ssd._fdatasync
+    calls = {"n": 0}
+
+    def failing(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the slab's sync passes, the delta record's fails
+            raise OSError(errno.EIO, "injected")
+        real(fd)
+
+    monkeypatch.setattr(ssd, "_fdatasync", failing)
+    with pytest.raises(TierIOError):
+        tier.flush()
+    monkeypatch.setattr(ssd, "_fdatasync", real)
+    tier.flush()  # the retry rewrites the whole map and drops the damaged deltas
+    assert not (tmp_path / "t" / ssd_log.LOG_DELTA_FILE).exists()
+    _lose_process(tier)
+    again = LogSSDTier(tmp_path / "t", 1_000, 64)
+    model = {int(i): r for i, r in zip(ids, rows_for(ids, 64, 1))}
+    model.update({int(i): r for i, r in zip(ids[:10], rows_for(ids[:10], 64, 2))})
+    check_all(again, model)
     again.close()
 
 
