@@ -282,7 +282,9 @@ class LogSSDTier(SSDTier):
     def _write_index(self) -> None:
         """Commit the slot map (a delta record of the rows moved since the last commit, or the whole map
         once the deltas would outgrow it); blocks emptied before it are free from now on."""
-        moved = np.unique(np.concatenate(self._moved)) if self._moved else np.empty(0, np.int64)
+        # not deduplicated (a sort of up to a cleaning round's 500k rows per commit): a row moved twice
+        # appears twice with the same, current slot
+        moved = np.concatenate(self._moved) if self._moved else np.empty(0, np.int64)
         record_bytes = _DELTA_HEADER.size + 16 * len(moved)
         if self._base_crc is None or self._delta_bytes + record_bytes > self._slot_of.nbytes:
             self._write_full_map()
@@ -293,7 +295,7 @@ class LogSSDTier(SSDTier):
             # limbo blocks held live rows until this window, so none is free already: a sorted insert
             # (a copy of the free list) instead of union1d, whose hashing cost 30 ms per commit at 10M rows
             rest = self._free[self._free_head:]
-            emptied = np.unique(np.concatenate(self._limbo))  # small: the blocks emptied since the last commit
+            emptied = np.sort(np.concatenate(self._limbo))  # each block once: emptied blocks get no rows
             self._free = np.insert(rest, np.searchsorted(rest, emptied), emptied)
             self._free_head = 0
             self._limbo = []
