@@ -166,7 +166,8 @@ def kill_at_random_point(args: list[str], rnd: random.Random, first_round: int, 
         out, err = child.stdout.read(), child.stderr.read()  # not communicate(): it would skip
         child.wait()                                         # lines already buffered in stdout
     assert child.returncode == -signal.SIGKILL, err
-    events = [line.split() for line in lines + out.splitlines()]
+    # only whole lines: the kill may land in the middle of a print ("flushed 1" of "flushed 19")
+    events = [line.split() for line in lines + out.splitlines(keepends=True) if line.endswith("\n")]
     flushed = [int(r) for what, r in events if what == "flushed"]
     started = [int(r) for what, r in events if what == "start"]
     assert started == list(range(len(started))), "the writer failed before the kill: " + err
