@@ -72,8 +72,8 @@ _DELTA_HEADER = struct.Struct("<8sIQQI")
 
 def _delta_record(base_crc: int, resident: int, ids: np.ndarray, slots: np.ndarray) -> bytes:
     body = np.ascontiguousarray(ids, "<i8").tobytes() + np.ascontiguousarray(slots, "<i8").tobytes()
-    head = _DELTA_HEADER.pack(_DELTA_MAGIC, base_crc, resident, len(ids), 0)
-    return _DELTA_HEADER.pack(_DELTA_MAGIC, base_crc, resident, len(ids), zlib.crc32(body, zlib.crc32(head))) + body
+    crc = zlib.crc32(body, zlib.crc32(_DELTA_HEADER.pack(_DELTA_MAGIC, base_crc, resident, len(ids), 0)))
+    return _DELTA_HEADER.pack(_DELTA_MAGIC, base_crc, resident, len(ids), crc) + body
 
 
 def _read_deltas(data: bytes, base_crc: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int | None]:
@@ -90,7 +90,8 @@ def _read_deltas(data: bytes, base_crc: int) -> tuple[list[tuple[np.ndarray, np.
         body = data[at + _DELTA_HEADER.size:end]
         if zlib.crc32(body, zlib.crc32(_DELTA_HEADER.pack(magic, base, count, n, 0))) != crc:
             break
-        out.append((np.frombuffer(body, "<i8", n).astype(np.int64), np.frombuffer(body, "<i8", n, 8 * n).astype(np.int64)))
+        ids = np.frombuffer(body, "<i8", n).astype(np.int64)
+        out.append((ids, np.frombuffer(body, "<i8", n, 8 * n).astype(np.int64)))
         resident = count
         at = end
     return out, resident

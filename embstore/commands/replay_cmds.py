@@ -129,7 +129,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             for pol in args.policy:
                 for cap in args.capacity:
                     rows = _rows(cap, uniq)
-                    res = replay_keys(k, o, [(pol, _simulated_rows(rows, uniq))], row_bytes=args.row_bytes, lookahead=args.lookahead,
+                    res = replay_keys(k, o, [(pol, _simulated_rows(rows, uniq))], row_bytes=args.row_bytes,
+                                      lookahead=args.lookahead,
                                       dedup=False)
                     lv = res.levels[0]
                     secs = cost.batch_seconds([("dram", lv.hits), (args.home, lv.misses)]) / max(1, res.batches)

@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "--flush-interval seconds and on shutdown (Ctrl-C).")
     p.add_argument("store", help="store directory (made with 'embstore create')")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0-65535; 0 picks a free one (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="TCP port, 0-65535; 0 picks a free one (default 8000)")
     p.add_argument("--token-file", default=None,
                    help="file holding a bearer token; when given, writes and reloads need "
                         "'Authorization: Bearer TOKEN'")
