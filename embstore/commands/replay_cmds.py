@@ -130,8 +130,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 for cap in args.capacity:
                     rows = _rows(cap, uniq)
                     res = replay_keys(k, o, [(pol, _simulated_rows(rows, uniq))], row_bytes=args.row_bytes,
-                                      lookahead=args.lookahead,
-                                      dedup=False)
+                                      lookahead=args.lookahead, dedup=False)
                     lv = res.levels[0]
                     secs = cost.batch_seconds([("dram", lv.hits), (args.home, lv.misses)]) / max(1, res.batches)
                     rec = {"policy": pol, "capacity_rows": rows, "accesses": res.accesses, "hits": lv.hits,
