@@ -77,12 +77,12 @@ class GroupCommit:
     once started it finishes even if its request times out.
     """
 
-    def __init__(self, flush: Callable[[], None]) -> None:
-        self._flush = flush
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self._sync = sync
         self._lock = asyncio.Lock()
         self._applied = 0  # writes applied, in the order they were noted
-        self._durable = 0  # writes covered by a finished flush
-        self.flushes = 0
+        self._durable = 0  # writes covered by a finished sync
+        self.syncs = 0
 
     def note_write(self) -> int:
         """Call on the event loop once a write is applied; returns its ticket."""
@@ -94,8 +94,8 @@ class GroupCommit:
             if self._durable >= ticket:
                 return
             target = self._applied
-            await offload_shielded(self._flush)
-            self.flushes += 1
+            await offload_shielded(self._sync)
+            self.syncs += 1
             self._durable = target
 
 
