@@ -44,12 +44,16 @@ Memory per cache slot (``capacity`` rows; the hash index has a power of two
 =============  ====================================================  =========
 policy         arrays (bytes per slot)                               total
 =============  ====================================================  =========
-every policy   index 24-48, key 8, free list 4, epoch 8, position 4  48-72
-``lru``        + prev/next 8                                         56-80
-``lfu``        + prev/next 8, bucket of slot 4, buckets 28           88-112
-``clock``      + reference bit 1                                     49-73
+every policy   index 24-48, key 8, free list 4, position 4           40-64
+``lru``        + prev/next 8                                         48-72
+``lfu``        + prev/next 8, bucket of slot 4, buckets 28           80-104
+``clock``      + reference bit 1                                     41-65
 ``+tinylfu``   + sketch 4 rows x 8 counters x 1 byte                 +32
 =============  ====================================================  =========
+
+(Whether a victim was inserted earlier in the same batch is read from the
+batch's own outputs at the victim's insertion position, not from a per-slot
+batch stamp: 8 bytes a slot less.)
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ LRU, LFU, CLOCK = 0, 1, 2
 _KIND_CODE = {PolicyKind.LRU: LRU, PolicyKind.LFU: LFU, PolicyKind.CLOCK: CLOCK}
 
 # meta slots
-M_NFREE, M_HEAD, M_TAIL, M_BMIN, M_NBFREE, M_HAND, M_EPOCH, M_SKADDS, M_SKSAMPLE = range(9)
+M_NFREE, M_HEAD, M_TAIL, M_BMIN, M_NBFREE, M_HAND, M_SKADDS, M_SKSAMPLE = range(8)
 
 _INDEX_AHEAD = 8  # keys ahead whose hash bucket the access loop prefetches
 SKETCH_ROWS = 4
@@ -351,12 +355,10 @@ def _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta):
 
 
 @numba.njit(cache=True, nogil=True)
-def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoch, slot_pos,
+def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
                    prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
                    out_slot, out_hit, ev_keys, ev_slots):
     """Process ``keys`` in order. Returns (evicted, hits, rejected)."""
-    meta[M_EPOCH] += 1
-    epoch = meta[M_EPOCH]
     nev = 0
     nhit = 0
     nrej = 0
@@ -397,8 +399,9 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoc
             old = slot_key[v]
             idx_del(tk, tv, old)
             _policy_remove(kind, v, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
-            if slot_epoch[v] == epoch:
-                out_slot[slot_pos[v]] = -1  # inserted earlier in this batch: it never lands
+            p = slot_pos[v]  # where the victim was inserted; in this batch if that position missed into v
+            if p < i and not out_hit[p] and out_slot[p] == v and keys[p] == old:
+                out_slot[p] = -1  # inserted earlier in this batch: it never lands
             else:
                 ev_keys[nev] = old
                 ev_slots[nev] = v
@@ -407,7 +410,6 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoc
         slot_key[s] = k
         idx_put(tk, tv, k, s)
         _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
-        slot_epoch[s] = epoch
         slot_pos[s] = i
         out_slot[i] = s
     return nev, nhit, nrej
@@ -467,7 +469,7 @@ def directory_bytes(capacity: int, policy: PolicySpec | str = "lru") -> int:
         return 0
     spec = PolicySpec.parse(policy)
     kind = _KIND_CODE[spec.kind]
-    n = 12 * _pow2_at_least(2 * c) + (8 + 4 + 8 + 4) * c + 8 * 9  # index, key, free, epoch, position, meta
+    n = 12 * _pow2_at_least(2 * c) + (8 + 4 + 4) * c + 8 * 8  # index, key, free, position, meta
     n += 8 * c if kind in (LRU, LFU) else 8  # prev/next
     nb = c + 1 if kind == LFU else 1
     n += (4 * c if kind == LFU else 4) + nb * (8 + 8 + 4 + 4 + 4)  # bucket of slot; bucket arrays
@@ -491,7 +493,6 @@ class CacheDirectory:
         self._tv = np.zeros(h, np.int32)
         self.slot_key = np.full(c, EMPTY, np.int64)
         self._free = np.arange(c - 1, -1, -1, dtype=np.int32)  # pops slot 0 first
-        self._slot_epoch = np.full(c, -1, np.int64)
         self._slot_pos = np.zeros(c, np.int32)
         use_lists = self._kind in (LRU, LFU)
         self._prev = np.full(c if use_lists else 1, -1, np.int32)
@@ -506,7 +507,7 @@ class CacheDirectory:
         self._ref = np.zeros(c if self._kind == CLOCK else 1, np.uint8)
         self._sk = np.zeros((SKETCH_ROWS, min(SKETCH_WIDTH_PER_SLOT * c, 1 << 32) if self.policy.tinylfu else 1),
                             np.uint8)
-        self._meta = np.zeros(9, np.int64)
+        self._meta = np.zeros(8, np.int64)
         self._meta[M_NFREE] = c
         self._meta[M_HEAD] = self._meta[M_TAIL] = self._meta[M_BMIN] = -1
         self._meta[M_NBFREE] = nb
@@ -530,7 +531,7 @@ class CacheDirectory:
         ev_slots = np.empty(n, np.int64)
         nev, _, nrej = _access_kernel(
             np.ascontiguousarray(keys, np.int64), self._kind, self.policy.tinylfu, self.capacity,
-            self._tk, self._tv, self.slot_key, self._free, self._slot_epoch, self._slot_pos,
+            self._tk, self._tv, self.slot_key, self._free, self._slot_pos,
             self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev, self._bnext,
             self._bfree, self._ref, self._sk, self._meta, slots, hit, ev_keys, ev_slots)
         return AccessResult(slots, hit, ev_keys[:nev], ev_slots[:nev], int(nrej))
@@ -715,7 +716,7 @@ def _popcount(x):
 
 
 @numba.njit(cache=True, nogil=True)
-def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, tk, tv, slot_key, free, slot_epoch, slot_pos,
+def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
                      prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, hit_out):
     nb = batch_offsets.shape[0] - 1
     max_b = 0
@@ -728,7 +729,7 @@ def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, tk, tv, slot_key
     for b in range(nb):
         lo = batch_offsets[b]
         hi = batch_offsets[b + 1]
-        _, h, _ = _access_kernel(keys[lo:hi], kind, tiny, capacity, tk, tv, slot_key, free, slot_epoch, slot_pos,
+        _, h, _ = _access_kernel(keys[lo:hi], kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
                                  prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
                                  out_slot[: hi - lo], hit_out[lo:hi], ev_keys, ev_slots)
         total += h
@@ -745,6 +746,6 @@ def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: Policy
     keys = np.ascontiguousarray(keys, np.int64)
     hit = np.zeros(len(keys), np.bool_)
     _simulate_kernel(keys, np.ascontiguousarray(batch_offsets, np.int64), d._kind, d.policy.tinylfu, d.capacity,
-                     d._tk, d._tv, d.slot_key, d._free, d._slot_epoch, d._slot_pos, d._prev, d._nxt, d._sbucket,
+                     d._tk, d._tv, d.slot_key, d._free, d._slot_pos, d._prev, d._nxt, d._sbucket,
                      d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, hit)
     return hit

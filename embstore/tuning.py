@@ -17,7 +17,7 @@ for each budget on the same curves, and a DRAM cache not larger than the
 device cache is dropped.
 
 The budgets are whole: the DRAM budget pays for the DRAM caches' rows *and*
-what sits beside them (a partial cache's directory, 56-120 bytes per slot by
+what sits beside them (a partial cache's directory, 48-136 bytes per slot by
 policy; a whole-table cache's presence flags), for every table's home index
 (the ``log`` layout's 4-byte slot per row, ``in_place``'s presence bit,
 RocksDB's block cache and memtable), set aside first, and for the directories
