@@ -103,7 +103,6 @@ class WriteAheadLog:
         existing = _segments(self.directory)
         self._seq = int(existing[-1].stem) + 1 if existing else 1
         self._fd = -1
-        self.bytes_appended = 0
 
     def _segment(self, seq: int) -> Path:
         return self.directory / f"{seq:08d}.log"
@@ -117,7 +116,6 @@ class WriteAheadLog:
         view = memoryview(record)
         while view:
             view = view[os.write(self._fd, view):]
-        self.bytes_appended += len(record)
 
     def sync_handle(self) -> int:
         """A duplicate of the current segment's descriptor (-1 when none is open): the caller may
