@@ -38,22 +38,28 @@ a hit, and which rows resident *before* the batch were evicted (their slots
 still hold their bytes until the caller overwrites them). A key inserted and
 evicted again within one batch (batches larger than the cache) gets slot -1.
 
-Memory per cache slot (``capacity`` rows; the hash index has a power of two
->= 2 x capacity entries of 12 bytes, i.e. 24-48 bytes per slot):
+Memory per cache slot (``capacity`` rows; the hash index has 2 x capacity
+entries of 8 bytes, a key's tag and its slot in one word: see below):
 
 =============  ====================================================  =========
 policy         arrays (bytes per slot)                               total
 =============  ====================================================  =========
-every policy   index 24-48, key 8, free list 4, position 4           40-64
-``lru``        + prev/next 8                                         48-72
-``lfu``        + prev/next 8, bucket of slot 4, buckets 28           80-104
-``clock``      + reference bit 1                                     41-65
+every policy   index 16, key 8, free list 4, position 4              32
+``lru``        + prev/next 8                                         40
+``lfu``        + prev/next 8, bucket of slot 4, buckets 28           72
+``clock``      + reference bit 1                                     33
 ``+tinylfu``   + sketch 4 rows x 8 counters x 1 byte                 +32
 =============  ====================================================  =========
 
 (Whether a victim was inserted earlier in the same batch is read from the
 batch's own outputs at the victim's insertion position, not from a per-slot
 batch stamp: 8 bytes a slot less.)
+
+Session 8 (``BENCHMARKS.md``): the index was a power of two >= 2 x capacity
+of (int64 key, int32 slot) pairs in two arrays, 24-48 bytes a slot; it is now
+exactly 2 x capacity single words, 16 bytes a slot. The policy helpers are
+inlined into the access loop (each call used to pass ten arrays and their
+reference counts): the access kernel got 1.14-1.36x faster at the same time.
 """
 
 from __future__ import annotations
@@ -142,6 +148,111 @@ def idx_del(tk, tv, key):
     tk[i] = EMPTY
 
 
+
+# --- the cache directory's index: tag + slot in one 8-byte entry ---
+#
+# An entry is ``tag << shift | slot`` (an int64 >= 0; -1 is empty). When every
+# key is known to lie below a limit and its bits and the slot's fit 63 bits, the
+# tag is the key itself ("exact"). Otherwise it is a fingerprint, the top 32
+# bits of ``mix64(key)``, and a match is confirmed against ``slot_key[slot]``.
+# The home position is multiply-shift of the key's fingerprint over any table
+# size, computed from the entry alone when deletion shifts entries back.
+
+INDEX_ENTRIES_PER_SLOT = 2.0  # load factor <= 1/2
+
+
+@numba.njit(cache=True, inline="always")
+def _fingerprint(key):
+    return np.int64(mix64(np.uint64(key)) >> np.uint64(32))
+
+
+@numba.njit(cache=True, inline="always")
+def _fp_home(fp, size):
+    return np.int64((np.uint64(fp) * np.uint64(size)) >> np.uint64(32))
+
+
+@numba.njit(cache=True, inline="always")
+def _tag_home(tag, limit, size):
+    return _fp_home(_fingerprint(tag) if limit > 0 else tag, size)
+
+
+@numba.njit(cache=True, inline="always")
+def fidx_get(ti, slot_key, key, limit, shift):
+    """Slot of ``key`` (-1 if absent). ``limit`` > 0: exact tags, keys below it (others are absent)."""
+    size = ti.shape[0]
+    if limit > 0:
+        if key < 0 or key >= limit:
+            return np.int64(-1)
+        tag = key
+        i = _fp_home(_fingerprint(key), size)
+    else:
+        tag = _fingerprint(key)
+        i = _fp_home(tag, size)
+    smask = (np.int64(1) << shift) - 1
+    while True:
+        e = ti[i]
+        if (e >> shift) == tag:
+            s = e & smask
+            if limit > 0 or slot_key[s] == key:
+                return s
+        if e == EMPTY:
+            return np.int64(-1)
+        i = i + 1 if i + 1 < size else 0
+
+
+@numba.njit(cache=True, inline="always")
+def fidx_insert(ti, key, slot, limit, shift):
+    """Add ``key`` -> ``slot``; the caller knows ``key`` is absent (and below ``limit`` if that is > 0)."""
+    size = ti.shape[0]
+    tag = key if limit > 0 else _fingerprint(key)
+    i = _tag_home(tag, limit, size)
+    while ti[i] != EMPTY:
+        i = i + 1 if i + 1 < size else 0
+    ti[i] = (tag << shift) | slot
+
+
+@numba.njit(cache=True, nogil=True)
+def fidx_remove(ti, key, slot, limit, shift):
+    """Drop the entry ``key`` -> ``slot`` (matched by its whole bits: no key read); backward-shift delete."""
+    size = ti.shape[0]
+    tag = key if limit > 0 else _fingerprint(key)
+    want = (tag << shift) | slot
+    i = _tag_home(tag, limit, size)
+    while ti[i] != want:
+        if ti[i] == EMPTY:
+            return
+        i = i + 1 if i + 1 < size else 0
+    j = i
+    while True:
+        j = j + 1 if j + 1 < size else 0
+        e = ti[j]
+        if e == EMPTY:
+            break
+        h = _tag_home(e >> shift, limit, size)
+        if i <= j:
+            stays = i < h <= j
+        else:
+            stays = h > i or h <= j
+        if not stays:
+            ti[i] = e
+            i = j
+    ti[i] = EMPTY
+
+
+def index_tagging(capacity: int, key_limit: int | None) -> tuple[int, int]:
+    """(limit, shift) of a directory's index entries: exact keys below ``limit`` with the slot in the low
+    ``shift`` bits when both fit 63 bits, else (0, 31): 32-bit fingerprints over 31-bit slots."""
+    shift = max(1, int(capacity - 1).bit_length())
+    if key_limit is not None and 0 < key_limit and int(key_limit - 1).bit_length() + shift <= 63:
+        return int(key_limit), shift
+    return 0, 31
+
+
+def index_entries(capacity: int) -> int:
+    """Entries of a directory's index for ``capacity`` slots."""
+    return max(16, int(capacity * INDEX_ENTRIES_PER_SLOT) + 1)
+
+
 # --- LRU list / LFU buckets / CLOCK bits ---
 
 @numba.njit(cache=True, inline="always")
@@ -170,7 +281,7 @@ def _list_append(s, prev, nxt, head_tail, hi, ti):
     head_tail[ti] = s
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _lfu_new_bucket(freq, after, bfreq, bht, bprev, bnext, bfree, meta):
     meta[M_NBFREE] -= 1
     b = bfree[meta[M_NBFREE]]
@@ -192,7 +303,7 @@ def _lfu_new_bucket(freq, after, bfreq, bht, bprev, bnext, bfree, meta):
     return b
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _lfu_drop_bucket_if_empty(b, bht, bprev, bnext, bfree, meta):
     if bht[b, 0] >= 0:
         return
@@ -208,7 +319,7 @@ def _lfu_drop_bucket_if_empty(b, bht, bprev, bnext, bfree, meta):
     meta[M_NBFREE] += 1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _policy_hit(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
     if kind == LRU:
         _list_unlink(s, prev, nxt, meta, M_HEAD, M_TAIL)
@@ -226,7 +337,7 @@ def _policy_hit(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, re
         ref[s] = 1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
     """Add slot ``s``; LFU files it at frequency ``freq`` (1, or its sketch estimate with TinyLFU)."""
     if kind == LRU:
@@ -245,7 +356,7 @@ def _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, 
         ref[s] = 0
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta):
     if kind == LRU:
         _list_unlink(s, prev, nxt, meta, M_HEAD, M_TAIL)
@@ -257,7 +368,7 @@ def _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
         ref[s] = 0
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _policy_victim(kind, capacity, bht, ref, meta):
     if kind == LRU:
         return meta[M_HEAD]
@@ -286,7 +397,7 @@ def _sketch_prefetch(sk, key):
         prefetch_cell(sk, r, _sk_col(key, r, w))
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _sketch_add(sk, key, meta):
     """Count one access of ``key`` (conservative update); returns (its estimate now, whether the sketch aged)."""
     w = sk.shape[1]
@@ -355,7 +466,7 @@ def _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta):
 
 
 @numba.njit(cache=True, nogil=True)
-def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
+def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos,
                    prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
                    out_slot, out_hit, ev_keys, ev_slots):
     """Process ``keys`` in order. Returns (evicted, hits, rejected)."""
@@ -363,13 +474,17 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
     nhit = 0
     nrej = 0
     freq = np.int64(1)
-    mask = np.uint64(len(tk) - 1)
+    size = ti.shape[0]
     n = keys.shape[0]
     for i in range(n):
-        if i + _INDEX_AHEAD < n:  # the index outgrows L2 with the cache: ask for a later key's bucket now
-            h = np.int64(mix64(np.uint64(keys[i + _INDEX_AHEAD])) & mask)
-            prefetch_at(tk, h)
-            prefetch_at(tv, h)
+        if i + _INDEX_AHEAD < n:  # the index outgrows L2 with the cache: ask for a later key's entry now
+            prefetch_at(ti, _fp_home(_fingerprint(keys[i + _INDEX_AHEAD]), size))
+        if i + _INDEX_AHEAD < n:
+            if limit == 0:  # and for the slot key that will confirm a fingerprint match
+                fp = _fingerprint(keys[i + _INDEX_AHEAD])
+                e = ti[_fp_home(fp, size)]
+                if (e >> shift) == fp:
+                    prefetch_at(slot_key, e & ((np.int64(1) << shift) - 1))
             if tiny:
                 _sketch_prefetch(sk, keys[i + _INDEX_AHEAD])
         k = keys[i]
@@ -377,7 +492,7 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
             freq, aged = _sketch_add(sk, k, meta)
             if aged and kind == LFU:
                 _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta)
-        s = idx_get(tk, tv, k)
+        s = fidx_get(ti, slot_key, k, limit, shift)
         if s >= 0:
             out_slot[i] = s
             out_hit[i] = True
@@ -397,7 +512,7 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
                     nrej += 1
                     continue
             old = slot_key[v]
-            idx_del(tk, tv, old)
+            fidx_remove(ti, old, v, limit, shift)
             _policy_remove(kind, v, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
             p = slot_pos[v]  # where the victim was inserted; in this batch if that position missed into v
             if p < i and not out_hit[p] and out_slot[p] == v and keys[p] == old:
@@ -408,7 +523,7 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
                 nev += 1
             s = v
         slot_key[s] = k
-        idx_put(tk, tv, k, s)
+        fidx_insert(ti, k, s, limit, shift)
         _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
         slot_pos[s] = i
         out_slot[i] = s
@@ -416,20 +531,24 @@ def _access_kernel(keys, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
 
 
 @numba.njit(cache=True, nogil=True)
-def _lookup_kernel(keys, tk, tv, out):
-    for i in range(keys.shape[0]):
-        out[i] = idx_get(tk, tv, keys[i])
+def _lookup_kernel(keys, ti, limit, shift, slot_key, out):
+    size = ti.shape[0]
+    n = keys.shape[0]
+    for i in range(n):
+        if i + _INDEX_AHEAD < n:
+            prefetch_at(ti, _fp_home(_fingerprint(keys[i + _INDEX_AHEAD]), size))
+        out[i] = fidx_get(ti, slot_key, keys[i], limit, shift)
 
 
 @numba.njit(cache=True, nogil=True)
-def _remove_kernel(keys, kind, tk, tv, slot_key, free, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
+def _remove_kernel(keys, kind, ti, limit, shift, slot_key, free, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
                    ref, meta, out_slot):
     for i in range(keys.shape[0]):
-        s = idx_get(tk, tv, keys[i])
+        s = fidx_get(ti, slot_key, keys[i], limit, shift)
         out_slot[i] = s
         if s < 0:
             continue
-        idx_del(tk, tv, keys[i])
+        fidx_remove(ti, keys[i], s, limit, shift)
         _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
         slot_key[s] = EMPTY
         free[meta[M_NFREE]] = s
@@ -457,10 +576,6 @@ class AccessResult:
         return int(self.hit.sum())
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(4, int(n - 1).bit_length())
-
-
 def directory_bytes(capacity: int, policy: PolicySpec | str = "lru") -> int:
     """Bytes a ``CacheDirectory(capacity, policy)`` allocates (the table in the module doc), without
     building one: what a memory budget must set aside beside a partial cache's rows."""
@@ -469,7 +584,7 @@ def directory_bytes(capacity: int, policy: PolicySpec | str = "lru") -> int:
         return 0
     spec = PolicySpec.parse(policy)
     kind = _KIND_CODE[spec.kind]
-    n = 12 * _pow2_at_least(2 * c) + (8 + 4 + 4) * c + 8 * 8  # index, key, free, position, meta
+    n = 8 * index_entries(c) + (8 + 4 + 4) * c + 8 * 8  # index, key, free, position, meta
     n += 8 * c if kind in (LRU, LFU) else 8  # prev/next
     nb = c + 1 if kind == LFU else 1
     n += (4 * c if kind == LFU else 4) + nb * (8 + 8 + 4 + 4 + 4)  # bucket of slot; bucket arrays
@@ -481,16 +596,17 @@ def directory_bytes(capacity: int, policy: PolicySpec | str = "lru") -> int:
 class CacheDirectory:
     """A fixed-capacity key -> slot map with an eviction policy (see module doc)."""
 
-    def __init__(self, capacity: int, policy: PolicySpec | str = "lru") -> None:
+    def __init__(self, capacity: int, policy: PolicySpec | str = "lru", key_limit: int | None = None) -> None:
+        """``key_limit``: keys are known to lie in ``[0, key_limit)`` (a table's rows), which lets the
+        index hold keys themselves instead of fingerprints to confirm (no second memory access)."""
         if capacity < 1:
             raise ValueError(f"capacity must be at least one row, got {capacity}")
         self.capacity = int(capacity)
         self.policy = PolicySpec.parse(policy)
         self._kind = _KIND_CODE[self.policy.kind]
         c = self.capacity
-        h = _pow2_at_least(2 * c)
-        self._tk = np.full(h, EMPTY, np.int64)
-        self._tv = np.zeros(h, np.int32)
+        self._index = np.full(index_entries(c), EMPTY, np.int64)
+        self._limit, self._shift = index_tagging(c, key_limit)
         self.slot_key = np.full(c, EMPTY, np.int64)
         self._free = np.arange(c - 1, -1, -1, dtype=np.int32)  # pops slot 0 first
         self._slot_pos = np.zeros(c, np.int32)
@@ -524,14 +640,18 @@ class CacheDirectory:
 
     def access(self, keys: Ids) -> AccessResult:
         """Look up (and insert on miss) the unique ``keys`` in order; see module doc."""
+        keys = np.ascontiguousarray(keys, np.int64)
         n = len(keys)
+        if self._limit and n and (int(keys.min()) < 0 or int(keys.max()) >= self._limit):
+            raise ValueError(f"keys must lie in [0, {self._limit}) for this directory, got "
+                             f"{int(keys.min())}..{int(keys.max())}")
         slots = np.empty(n, np.int64)
         hit = np.empty(n, np.bool_)
         ev_keys = np.empty(n, np.int64)
         ev_slots = np.empty(n, np.int64)
         nev, _, nrej = _access_kernel(
-            np.ascontiguousarray(keys, np.int64), self._kind, self.policy.tinylfu, self.capacity,
-            self._tk, self._tv, self.slot_key, self._free, self._slot_pos,
+            keys, self._kind, self.policy.tinylfu, self.capacity,
+            self._index, self._limit, self._shift, self.slot_key, self._free, self._slot_pos,
             self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev, self._bnext,
             self._bfree, self._ref, self._sk, self._meta, slots, hit, ev_keys, ev_slots)
         return AccessResult(slots, hit, ev_keys[:nev], ev_slots[:nev], int(nrej))
@@ -539,13 +659,13 @@ class CacheDirectory:
     def lookup(self, keys: Ids) -> np.ndarray:
         """Slots of ``keys`` (-1 where absent) without touching the policy."""
         out = np.empty(len(keys), np.int64)
-        _lookup_kernel(np.ascontiguousarray(keys, np.int64), self._tk, self._tv, out)
+        _lookup_kernel(np.ascontiguousarray(keys, np.int64), self._index, self._limit, self._shift, self.slot_key, out)
         return out
 
     def remove(self, keys: Ids) -> np.ndarray:
         """Drop ``keys``; returns the slots they held (-1 where absent)."""
         out = np.empty(len(keys), np.int64)
-        _remove_kernel(np.ascontiguousarray(keys, np.int64), self._kind, self._tk, self._tv, self.slot_key,
+        _remove_kernel(np.ascontiguousarray(keys, np.int64), self._kind, self._index, self._limit, self._shift, self.slot_key,
                        self._free, self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev,
                        self._bnext, self._bfree, self._ref, self._meta, out)
         return out
@@ -716,7 +836,7 @@ def _popcount(x):
 
 
 @numba.njit(cache=True, nogil=True)
-def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
+def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos,
                      prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, hit_out):
     nb = batch_offsets.shape[0] - 1
     max_b = 0
@@ -729,7 +849,7 @@ def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, tk, tv, slot_key
     for b in range(nb):
         lo = batch_offsets[b]
         hi = batch_offsets[b + 1]
-        _, h, _ = _access_kernel(keys[lo:hi], kind, tiny, capacity, tk, tv, slot_key, free, slot_pos,
+        _, h, _ = _access_kernel(keys[lo:hi], kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos,
                                  prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
                                  out_slot[: hi - lo], hit_out[lo:hi], ev_keys, ev_slots)
         total += h
@@ -742,10 +862,10 @@ def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: Policy
     The same kernel the store's cache tiers run, driven from numba over the
     whole trace (no Python per batch).
     """
-    d = CacheDirectory(capacity, policy)
     keys = np.ascontiguousarray(keys, np.int64)
+    d = CacheDirectory(capacity, policy, key_limit=int(keys.max()) + 1 if len(keys) and keys.min() >= 0 else None)
     hit = np.zeros(len(keys), np.bool_)
     _simulate_kernel(keys, np.ascontiguousarray(batch_offsets, np.int64), d._kind, d.policy.tinylfu, d.capacity,
-                     d._tk, d._tv, d.slot_key, d._free, d._slot_pos, d._prev, d._nxt, d._sbucket,
+                     d._index, d._limit, d._shift, d.slot_key, d._free, d._slot_pos, d._prev, d._nxt, d._sbucket,
                      d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, hit)
     return hit

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from embstore.kernels import kernel_threads
 from embstore.policies import (M_BMIN, SKETCH_MAX, SKETCH_SAMPLE_PER_SLOT, SKETCH_WIDTH_PER_SLOT, CacheDirectory,
-                               DirectDirectory, mix64, simulate)
+                               DirectDirectory, directory_bytes, mix64, simulate)
 
 MASK64 = (1 << 64) - 1
 SEEDS = [0x243F6A8885A308D3, 0x13198A2E03707344, 0x2AC2E2B1C9C9A5F1, 0x6A09E667F3BCC908]
@@ -22,6 +22,15 @@ def py_mix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
+
+
+def py_unmix64(h: int) -> int:
+    """The key whose ``py_mix64`` is ``h`` (splitmix64's finaliser is a bijection)."""
+    x = h ^ (h >> 31) ^ (h >> 62)
+    x = (x * pow(0x94D049BB133111EB, -1, 1 << 64)) & MASK64
+    x = x ^ (x >> 27) ^ (x >> 54)
+    x = (x * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & MASK64
+    return x ^ (x >> 30) ^ (x >> 60)
 
 
 class RefSketch:
@@ -127,12 +136,14 @@ def zipf_keys(n: int, universe: int, alpha: float, seed: int) -> np.ndarray:
 POLICIES = ["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu"]
 
 
+@pytest.mark.parametrize("key_limit", [None, 500])  # fingerprint index / exact keys
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("capacity", [1, 7, 64])
-def test_policy_matches_reference_on_zipf(policy: str, capacity: int) -> None:
+def test_policy_matches_reference_on_zipf(policy: str, capacity: int, key_limit: int | None) -> None:
     keys = zipf_keys(3000, 500, 1.05, seed=capacity)
     ref = ref_run(policy, capacity, keys.tolist())
-    d = CacheDirectory(capacity, policy)
+    d = CacheDirectory(capacity, policy, key_limit=key_limit)
+    assert (d._limit > 0) == (key_limit is not None)
     got = [bool(d.access(keys[i:i + 1]).hit[0]) for i in range(len(keys))]
     assert got == ref
     assert 0 < sum(ref) < len(ref)
@@ -196,10 +207,10 @@ def test_lfu_tinylfu_lets_a_formerly_hot_row_leave() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=120), st.integers(1, 12),
-       st.sampled_from(["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu"]))
-def test_directory_invariants(keys: list[int], capacity: int, policy: str) -> None:
+       st.sampled_from(["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu"]), st.sampled_from([None, 31]))
+def test_directory_invariants(keys: list[int], capacity: int, policy: str, key_limit: int | None) -> None:
     """Slots stay within capacity, resident keys map to their slots, evictions are reported."""
-    d = CacheDirectory(capacity, policy)
+    d = CacheDirectory(capacity, policy, key_limit=key_limit)
     resident: dict[int, int] = {}
     arr = np.array(keys, np.int64)
     for i in range(0, len(arr), 5):
@@ -219,6 +230,56 @@ def test_directory_invariants(keys: list[int], capacity: int, policy: str) -> No
     d.remove(gone)
     assert (d.lookup(gone) == -1).all()
     assert d.resident == len(resident) - len(gone)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu+tinylfu"])
+def test_keys_sharing_a_fingerprint_are_told_apart(policy: str) -> None:
+    """Keys whose index fingerprints (top 32 bits of mix64) are all equal: one probe chain, every
+    match confirmed against the slot's key. Hits, lookups and removals stay exact."""
+    fp = 0x9E3779B9
+    keys = [k for k in (py_unmix64((fp << 32) | low) for low in range(1, 400)) if k < 1 << 63][:60]
+    assert len(keys) == 60 and all(py_mix64(k) >> 32 == fp for k in keys)
+    rng = np.random.default_rng(3)
+    trace = np.array(keys, np.int64)[rng.integers(0, 60, 2000)]
+    d = CacheDirectory(16, policy)
+    got = [bool(d.access(trace[i:i + 1]).hit[0]) for i in range(len(trace))]
+    assert got == ref_run(policy, 16, trace.tolist())
+    resident = [k for k in keys if k in set(d.slot_key.tolist())]
+    absent = [k for k in keys if k not in resident]
+    assert len(resident) == 16
+    slots = d.lookup(np.array(resident + absent, np.int64))
+    assert d.slot_key[slots[:16]].tolist() == resident and (slots[16:] == -1).all()
+    assert d.remove(np.array(resident[::2], np.int64)).tolist() == slots[:16:2].tolist()
+    assert (d.lookup(np.array(resident[::2], np.int64)) == -1).all()
+    assert d.slot_key[d.lookup(np.array(resident[1::2], np.int64))].tolist() == resident[1::2]
+
+
+def test_an_exact_index_refuses_keys_beyond_its_limit() -> None:
+    d = CacheDirectory(8, "lru", key_limit=100)
+    d.access(np.array([1, 99], np.int64))
+    for bad in ([100], [-1], [5, 1000]):
+        with pytest.raises(ValueError, match=r"\[0, 100\)"):
+            d.access(np.array(bad, np.int64))
+    assert d.lookup(np.array([1, 99, 100, -1], np.int64)).tolist()[2:] == [-1, -1]
+    assert sorted(d.slot_key[d.lookup(np.array([1, 99], np.int64))].tolist()) == [1, 99]
+
+
+def test_exact_keys_need_room_beside_the_slot_bits() -> None:
+    """Keys and slots that do not fit one word together fall back to fingerprints."""
+    assert CacheDirectory(1000, "lru", key_limit=1 << 40)._limit == 1 << 40
+    assert CacheDirectory(1000, "lru", key_limit=1 << 62)._limit == 0
+    big = np.array([(1 << 62) + 5, 7, (1 << 62) + 5 + (1 << 40)], np.int64)
+    d = CacheDirectory(2, "lru", key_limit=(1 << 63) - 1)
+    assert d._limit == 0
+    assert d.access(big).hit.tolist() == [False, False, False]
+    assert d.access(big[1:]).hit.tolist() == [True, True]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("capacity", [1, 5, 1000, 12345])
+def test_directory_bytes_predicts_what_a_directory_holds(policy: str, capacity: int) -> None:
+    assert CacheDirectory(capacity, policy).nbytes == directory_bytes(capacity, policy)
+    assert CacheDirectory(capacity, policy, key_limit=10**6).nbytes == directory_bytes(capacity, policy)
 
 
 def test_batch_larger_than_cache_cancels_inner_inserts() -> None:

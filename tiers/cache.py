@@ -53,7 +53,7 @@ class CacheTier(Tier):
             raise ValueError(f"a {self.kind} cache needs room for at least one row of {row_bytes} bytes")
         full = num_rows is not None and capacity_rows >= num_rows
         self.directory: CacheDirectory | DirectDirectory = (
-            DirectDirectory(num_rows) if full else CacheDirectory(capacity_rows, policy))
+            DirectDirectory(num_rows) if full else CacheDirectory(capacity_rows, policy, key_limit=num_rows))
         self.slots = self.directory.capacity
         self.dirty = np.zeros(self.slots, np.bool_)
 
