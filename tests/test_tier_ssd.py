@@ -624,7 +624,7 @@ def test_real_enospc_on_write_and_flush(tiny_fs: Path, engine: str) -> None:
         tier.put(spread, rows_for(spread, 256, 1))
     assert ei.value.errno == errno.ENOSPC and ei.value.operation == "write"
     check_all(tier, model)
-    # rows in pages that already exist can still be written, but the bitmap cannot be replaced
+    # rows in pages that already exist can still be written, but present.bin cannot be replaced
     more = np.arange(0, 16, 2, dtype=np.int64)
     tier.put(more, rows_for(more, 256, 2))
     filler = tiny_fs / "filler"
@@ -634,19 +634,27 @@ def test_real_enospc_on_write_and_flush(tiny_fs: Path, engine: str) -> None:
                 f.write(b"\0" * 4096)
     except OSError as exc:
         assert exc.errno == errno.ENOSPC
+    assert (d / ssd.BITMAP_DELTA_FILE).stat().st_size > 0  # the first flush appended a record
+    tier.delete(np.array([1, 3], dtype=np.int64))
+    tier.flush()  # its small record fits in the page present.delta already holds
     with pytest.raises(DiskFullError) as ei:
-        tier.flush()
+        tier.close()  # folding the records into a new present.bin needs space
     assert ei.value.operation == "flush"
-    with pytest.raises(DiskFullError):
-        tier.close()
-    # reopening sees the last successful flush (the 8 overwritten rows may hold either version)
+    # reopening sees the last successful flush (the 8 overwritten rows may hold either version); it
+    # cannot fold present.delta into present.bin on the full file system and opens all the same
     tier = make(d, 20_000, 256, engine)
     out, found = tier.get(np.arange(20_000, dtype=np.int64))
-    assert found.sum() == 160 and found[:160].all()
+    assert found.sum() == 158 and found[:160].sum() == 158 and not found[[1, 3]].any()
     for i in range(160):
-        if i not in more:
+        if i not in more and i not in (1, 3):
             np.testing.assert_array_equal(out[i], model[i])
-    tier.close()  # nothing to flush: close() writes nothing
+    tier.close()  # nothing new to flush
+    tier = make(d, 20_000, 256, engine)
+    tier.delete(np.array([5], dtype=np.int64))
+    with pytest.raises(DiskFullError):  # a change needs the rewrite the open could not do
+        tier.flush()
+    with pytest.raises(DiskFullError):
+        tier.close()
 
 
 # -- crash: SIGKILL while writing --------------------------------------------------------------

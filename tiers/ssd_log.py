@@ -36,7 +36,9 @@ fdatasyncs it (or replaces ``slots.bin`` atomically, then removes the deltas).
 On open, records are applied while they are whole and name the loaded
 ``slots.bin``'s checksum: a torn last record is a commit that never returned;
 records of an older ``slots.bin`` (a crash between rewriting the map and
-removing them) are already in it. After a SIGKILL, every row reads as of the
+removing them) are already in it; a damaged record with an intact one after it
+is corruption (the framing and this fold are shared with the in-place layout's
+``present.delta``, in ``tiers/ssd.py``). After a SIGKILL, every row reads as of the
 last flush and is never torn: its block was written whole, and made durable,
 before a committed map pointed at it. Rows written after the last flush read
 as their flushed version (or as absent if they were new).
@@ -45,7 +47,6 @@ as their flushed version (or as absent if they were new).
 from __future__ import annotations
 
 import errno
-import os
 import struct
 import zlib
 
@@ -54,8 +55,7 @@ from numba import njit
 
 from embstore.arrays import Ids, Mask, RowBytes
 from embstore.errors import CorruptStoreError, DiskFullError, tier_io_error
-from embstore.tiers import ssd as _ssd  # its _fdatasync, looked up per call (fault-injection tests replace it)
-from embstore.tiers.ssd import BITMAP_FILE, LOG_MAP_FILE, PAGE, SSDTier
+from embstore.tiers.ssd import _DELTA_HEADER, BITMAP_FILE, LOG_MAP_FILE, PAGE, SSDTier, _delta_record, _read_deltas
 
 SPARE_SHARE = 0.25  # spare blocks, as a share of the blocks the rows fill
 MIN_SPARE_BLOCKS = 64
@@ -66,35 +66,9 @@ _MAP_MAGIC = b"EMBSSDL\x01"
 _MAP_HEADER = struct.Struct("<8sQQQQQQI4x")
 LOG_DELTA_FILE = "slots.delta"
 _DELTA_MAGIC = b"EMBSSDD\x01"
-# magic, crc32 of the slots.bin followed, resident count after the commit, rows in the record, crc32
-_DELTA_HEADER = struct.Struct("<8sIQQI")
-
-
-def _delta_record(base_crc: int, resident: int, ids: np.ndarray, slots: np.ndarray) -> bytes:
-    body = np.ascontiguousarray(ids, "<i8").tobytes() + np.ascontiguousarray(slots, "<i8").tobytes()
-    crc = zlib.crc32(body, zlib.crc32(_DELTA_HEADER.pack(_DELTA_MAGIC, base_crc, resident, len(ids), 0)))
-    return _DELTA_HEADER.pack(_DELTA_MAGIC, base_crc, resident, len(ids), crc) + body
-
-
-def _read_deltas(data: bytes, base_crc: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int | None]:
-    """The whole records of ``data`` that follow the map with checksum ``base_crc``, and the resident
-    count after the last (None when there is none)."""
-    out: list[tuple[np.ndarray, np.ndarray]] = []
-    resident = None
-    at = 0
-    while len(data) - at >= _DELTA_HEADER.size:
-        magic, base, count, n, crc = _DELTA_HEADER.unpack_from(data, at)
-        end = at + _DELTA_HEADER.size + 16 * n
-        if magic != _DELTA_MAGIC or base != base_crc or end > len(data):
-            break
-        body = data[at + _DELTA_HEADER.size:end]
-        if zlib.crc32(body, zlib.crc32(_DELTA_HEADER.pack(magic, base, count, n, 0))) != crc:
-            break
-        ids = np.frombuffer(body, "<i8", n).astype(np.int64)
-        out.append((ids, np.frombuffer(body, "<i8", n, 8 * n).astype(np.int64)))
-        resident = count
-        at = end
-    return out, resident
+# a record (framed and read by tiers/ssd.py's _delta_record/_read_deltas, header _DELTA_HEADER): the
+# moved rows' ids, then their slots, int64 each
+_DELTA_ENTRY_BYTES = 16
 
 
 @njit(cache=True, nogil=True)
@@ -182,6 +156,7 @@ class LogSSDTier(SSDTier):
     """
 
     _commit_file = LOG_MAP_FILE
+    _delta_file = LOG_DELTA_FILE
     _other_layout = (BITMAP_FILE, 'it is in place: open it without layout = "log"')
 
     @staticmethod
@@ -220,9 +195,6 @@ class LogSSDTier(SSDTier):
         self._clean_blocks = max(self._piece_blocks, 2 * rpb, min(self.spare_blocks // 4, MAX_CLEAN_BLOCKS))
         self._limbo: list[np.ndarray] = []
         self._moved: list[np.ndarray] = []  # rows whose slot changed since the last commit
-        self._base_crc: int | None = None  # checksum of the committed slots.bin (None: none yet)
-        self._delta_fd = -1
-        self._delta_bytes = 0
         self.cleaned_blocks = 0  # blocks the cleaner emptied
         self.moved_rows = 0  # live rows it rewrote to do so (its write cost)
         super()._open_files()
@@ -259,12 +231,13 @@ class LogSSDTier(SSDTier):
             raise CorruptStoreError(f"ssd tier: {path} fails its checksum")
         slot_of = np.frombuffer(body, dtype=self._slot_dtype.newbyteorder("<")).astype(self._slot_dtype)
         delta_path = self.path / LOG_DELTA_FILE
-        deltas = delta_path.read_bytes() if delta_path.exists() else b""
-        records, last = _read_deltas(deltas, crc)
-        for ids, slots in records:
+        deltas = self._read_delta_file()
+        records, last = _read_deltas(deltas, _DELTA_MAGIC, _DELTA_ENTRY_BYTES, crc, delta_path)
+        for n, record in records:
+            ids = np.frombuffer(record, "<i8", n).astype(np.int64)
             if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
                 raise CorruptStoreError(f"ssd tier: {delta_path} moves rows outside num_rows={self.num_rows}")
-            slot_of[ids] = slots
+            slot_of[ids] = np.frombuffer(record, "<i8", n, 8 * n)
         resident = resident if last is None else last
         count, bad = _map_errors(slot_of, self.num_blocks * self.rows_per_block)
         if bad >= 0:
@@ -277,7 +250,7 @@ class LogSSDTier(SSDTier):
         self._base_crc = crc
         if deltas:  # fold them in now: new records must not land behind a torn one
             self._resident = count
-            self._write_full_map()
+            self._fold_on_open(self._write_full_map)
         return count
 
     def _write_index(self) -> None:
@@ -286,11 +259,12 @@ class LogSSDTier(SSDTier):
         # not deduplicated (a sort of up to a cleaning round's 500k rows per commit): a row moved twice
         # appears twice with the same, current slot
         moved = np.concatenate(self._moved) if self._moved else np.empty(0, np.int64)
-        record_bytes = _DELTA_HEADER.size + 16 * len(moved)
+        record_bytes = _DELTA_HEADER.size + _DELTA_ENTRY_BYTES * len(moved)
         if self._base_crc is None or self._delta_bytes + record_bytes > self._slot_of.nbytes:
             self._write_full_map()
         else:
-            self._append_delta(_delta_record(self._base_crc, self._resident, moved, self._slot_of[moved]))
+            body = np.ascontiguousarray(moved, "<i8").tobytes() + self._slot_of[moved].astype("<i8").tobytes()
+            self._append_delta(_delta_record(_DELTA_MAGIC, self._base_crc, self._resident, len(moved), body))
         self._moved = []
         if self._limbo:  # limbo blocks hold no live row and are never written before this commit
             # limbo blocks held live rows until this window, so none is free already: a sorted insert
@@ -302,48 +276,10 @@ class LogSSDTier(SSDTier):
             self._limbo = []
 
     def _write_full_map(self) -> None:
-        """Replace slots.bin with the whole map, then drop the deltas (which name the old map's checksum,
-        so a crash between the two leaves them ignored)."""
+        """Replace slots.bin with the whole map, then drop the deltas (SSDTier._replace_index)."""
         body = self._slot_of.astype(self._slot_dtype.newbyteorder("<"), copy=False).data
         crc = zlib.crc32(body, zlib.crc32(self._map_header(self._resident, 0)))
-        self._replace_file(LOG_MAP_FILE, (self._map_header(self._resident, crc), body))
-        self._base_crc = crc
-        if self._delta_fd >= 0:
-            os.close(self._delta_fd)
-            self._delta_fd = -1
-        if self._delta_bytes or (self.path / LOG_DELTA_FILE).exists():
-            (self.path / LOG_DELTA_FILE).unlink(missing_ok=True)
-        self._delta_bytes = 0
-
-    def _append_delta(self, record: bytes) -> None:
-        """Append one commit record and make it durable. A failure may leave part of it in the file, where
-        a later record would be unreadable behind it: the next commit then rewrites the whole map."""
-        try:
-            if self._delta_fd < 0:
-                self._delta_fd = os.open(self.path / LOG_DELTA_FILE,
-                                         os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-                _ssd._fsync_dir(self.path)
-            view = memoryview(record)
-            while view:
-                view = view[os.write(self._delta_fd, view):]
-            _ssd._fdatasync(self._delta_fd)
-        except OSError:
-            self._base_crc = None
-            raise
-        self._delta_bytes += len(record)
-
-    def close(self) -> None:
-        """Flush with the deltas folded into slots.bin: a tier closed cleanly is one map file."""
-        if not self.closed and (self._delta_bytes or self._moved):
-            self._base_crc = None
-            self._dirty_bits = True
-        super().close()
-
-    def _release(self) -> None:
-        super()._release()
-        if self._delta_fd >= 0:
-            os.close(self._delta_fd)
-            self._delta_fd = -1
+        self._replace_index((self._map_header(self._resident, crc), body), crc)
 
     # -- Tier API ----------------------------------------------------------------
     def _locate(self, ids: Ids) -> tuple[np.ndarray, Mask]:
