@@ -17,21 +17,39 @@ for each budget on the same curves, and a DRAM cache not larger than the
 device cache is dropped.
 
 The budgets are whole: the DRAM budget pays for the DRAM caches' rows *and*
-what sits beside them (a partial cache's directory, 48-136 bytes per slot by
+what sits beside them (a partial cache's directory, 33-104 bytes per slot by
 policy; a whole-table cache's presence flags), for every table's home index
-(the ``log`` layout's 4-byte slot per row, ``in_place``'s presence bit,
-RocksDB's block cache and memtable), set aside first, and for the directories
-of device caches, which live in host memory. On DLRM-sized rows (68 bytes) the
-metadata is as large as the rows, so a budget counted in row bytes alone would
-be overrun up to 2x (``metadata_in_budget=False`` counts rows only, as the
-recorded DLRM benchmark did). The ``log`` layout's slot maps are taken only
-while they fit in a quarter of the DRAM budget; otherwise every ssd home is
-``in_place`` (a bit per row instead of 4 bytes).
+(the ``log`` layout's 4-byte slot per row, ``in_place``'s presence bit) and
+every RocksDB home's block cache and memtable, set aside first, and for the
+directories of device caches, which live in host memory. On DLRM-sized rows
+(68 bytes) the metadata is as large as the rows, so a budget counted in row
+bytes alone would be overrun up to 2x (``metadata_in_budget=False`` counts
+rows only, as the recorded DLRM benchmark did). The ``log`` layout's slot maps
+are taken only while they fit in a quarter of the DRAM budget; otherwise every
+ssd home is ``in_place`` (a bit per row instead of 4 bytes).
 
 Home: ``rocksdb`` when the id space is sparse (largest id >= 2**32, or fewer
 than 1 in 1000 of the ids up to the largest are used), else ``ssd``, in its
 ``log`` layout when the caches hold only part of the table (evictions then
 append instead of rewriting their blocks).
+
+A ``rocksdb`` home's block cache and memtable are sized from the budget, not
+left at RocksDB's 64 MiB + 64 MiB (which alone overran small budgets: eight
+sparse tables took 1 GiB before any row was cached). Each home first gets a
+floor: a 4 MiB memtable (RocksDB's old default; rocksdict accepts 64 KiB, but
+a tiny memtable flushes a small SST file every few writes and piles up
+compactions) and a 1 MiB block cache. Of the DRAM left after the floors, the
+indexes and the device caches' directories, a quarter is split among the
+tables by their share of the accesses, and a rocksdb home adds its table's
+slice, half to each, up to the defaults; the block cache also at most the
+table's data (its distinct rows at ``row_bytes`` + 16 bytes of key and block
+overhead: a larger cache would hold nothing more). The block cache is only
+another cache level under the table's row caches, and a byte-poor one: it
+holds 4 KiB blocks of rows that are neighbours by id, for a sparse table
+about one hot row per block, so the row caches (sized by the greedy above)
+get the rest. A large budget (a slice of >= 126 MiB per table) leaves the
+defaults; where even the floors do not fit, the plan exceeds the budget and
+the CLI warns.
 """
 
 from __future__ import annotations
@@ -52,11 +70,17 @@ from embstore.tiers.ssd import SSDTier
 from embstore.tiers.ssd_log import LogSSDTier
 from embstore.traces import Trace
 
-__all__ = ["POLICIES", "TablePlan", "TuneResult", "allocate", "home_index_bytes", "tune"]
+__all__ = ["POLICIES", "TablePlan", "TuneResult", "allocate", "home_index_bytes", "rocksdb_sizes", "tune"]
 
 POLICIES = ("lru", "lfu", "clock", "lru+tinylfu")
 SPARSE_MAX_ID = 1 << 32
 SPARSE_DENSITY = 1e-3
+ROCKSDB_DEFAULT = TierConfig("rocksdb")  # block cache and memtable 64 MiB each
+ROCKSDB_BLOCK_CACHE_FLOOR = 1 << 20
+ROCKSDB_WRITE_BUFFER_FLOOR = 4 << 20
+ROCKSDB_BUDGET_SHARE = 0.25  # of the DRAM left after floors and indexes, spread over rocksdb homes by accesses
+_ROCKSDB_ENTRY_OVERHEAD = 16  # bytes a row costs in a data block beyond its value: 8-byte key, lengths, restarts
+_ROCKSDB_GRAIN = 64 << 10  # sizes are whole multiples of this (readable TOML)
 
 
 @dataclass(frozen=True)
@@ -73,6 +97,8 @@ class TablePlan:
     dram_policy: str
     result: ReplayResult | None = None
     layout: str = "in_place"  # of an ssd home
+    block_cache: int = ROCKSDB_DEFAULT.block_cache  # of a rocksdb home
+    write_buffer: int = ROCKSDB_DEFAULT.write_buffer  # of a rocksdb home
 
     @property
     def num_rows(self) -> int:
@@ -99,7 +125,12 @@ class TuneResult:
                 tiers.append(TierConfig("device", p.device_rows * self.row_bytes, p.device_policy))
             if p.dram_rows:
                 tiers.append(TierConfig("dram", p.dram_rows * self.row_bytes, p.dram_policy))
-            tiers.append(TierConfig(p.home, layout=p.layout) if p.home == "ssd" else TierConfig(p.home))
+            if p.home == "ssd":
+                tiers.append(TierConfig(p.home, layout=p.layout))
+            elif p.home == "rocksdb":
+                tiers.append(TierConfig(p.home, block_cache=p.block_cache, write_buffer=p.write_buffer))
+            else:
+                tiers.append(TierConfig(p.home))
             out.append(TableConfig(name=p.name, num_embeddings=max(1, p.max_id + 1), dim=self.dim,
                                    dtype=self.dtype, tiers=tuple(tiers)))
         return StoreConfig(tuple(out))
@@ -110,14 +141,18 @@ class TuneResult:
         return (sum(p.device_rows for p in self.tables) * self.row_bytes, sum(self.dram_breakdown().values()))
 
     def dram_breakdown(self) -> dict[str, int]:
-        """DRAM by use: cache rows, cache directories (device caches' too), home indexes."""
-        rows = meta = home = 0
+        """DRAM by use: cache rows, cache directories (device caches' too), ssd home indexes, and
+        RocksDB homes' block caches + memtables (``rocksdb_buffers``: caches and buffers, not indexes)."""
+        rows = meta = home = rocks = 0
         for p in self.tables:
             rows += p.dram_rows * self.row_bytes
             meta += sum(cache_metadata_bytes(n, p.num_rows, pol)
                         for n, pol in ((p.dram_rows, p.dram_policy), (p.device_rows, p.device_policy)) if n)
-            home += home_index_bytes(p.home, p.layout, p.num_rows, self.row_bytes)
-        return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home}
+            if p.home == "rocksdb":
+                rocks += p.block_cache + p.write_buffer
+            else:
+                home += home_index_bytes(p.home, p.layout, p.num_rows, self.row_bytes)
+        return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home, "rocksdb_buffers": rocks}
 
     def totals(self) -> dict[str, float]:
         """Hit ratios over all tables and modelled seconds per batch, tiered and all-DRAM."""
@@ -150,13 +185,29 @@ def _level(p: TablePlan, kind: str) -> int:
     return p.result.levels[idx].hits
 
 
-def home_index_bytes(kind: str, layout: str, num_rows: int, row_bytes: int) -> int:
+def home_index_bytes(kind: str, layout: str, num_rows: int, row_bytes: int,
+                     block_cache: int = ROCKSDB_DEFAULT.block_cache,
+                     write_buffer: int = ROCKSDB_DEFAULT.write_buffer) -> int:
     """DRAM a home keeps per table: ``in_place`` a presence bit per row, ``log`` a slot per row plus
-    block counters, RocksDB its default block cache and memtable."""
+    block counters, RocksDB its block cache and memtable (its defaults unless given)."""
     if kind == "rocksdb":
-        default = TierConfig("rocksdb")
-        return default.block_cache + default.write_buffer
+        return block_cache + write_buffer
     return (LogSSDTier if layout == "log" else SSDTier).index_bytes(num_rows, row_bytes)
+
+
+def rocksdb_sizes(spare: int, share: float, unique_rows: int, row_bytes: int) -> tuple[int, int]:
+    """(block cache, write buffer) bytes of a rocksdb home (module doc): each its floor plus half of
+    ``ROCKSDB_BUDGET_SHARE x share x spare`` (``spare``: DRAM left after every floor and index;
+    ``share``: the table's fraction of all accesses), at most RocksDB's default; the block cache at most
+    the table's data. ``spare=0`` gives the floors."""
+    extra = int(max(0, spare) * max(0.0, share) * ROCKSDB_BUDGET_SHARE / 2)
+    data = -(-max(1, unique_rows) * (row_bytes + _ROCKSDB_ENTRY_OVERHEAD) // _ROCKSDB_GRAIN) * _ROCKSDB_GRAIN
+
+    def size(floor: int, default: int) -> int:
+        return min(default, (floor + extra) // _ROCKSDB_GRAIN * _ROCKSDB_GRAIN)
+
+    return (min(data, size(ROCKSDB_BLOCK_CACHE_FLOOR, ROCKSDB_DEFAULT.block_cache)),
+            size(ROCKSDB_WRITE_BUFFER_FLOOR, ROCKSDB_DEFAULT.write_buffer))
 
 
 def _cache_costs(caps: np.ndarray, best: np.ndarray, policies: Sequence[str], num_rows: int,
@@ -243,14 +294,22 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
                      if metadata_in_budget else caps * row_bytes)
     logs = sum(home_index_bytes("ssd", "log", d[4] + 1, row_bytes) for d in data if d[7] == "ssd")
     use_log = row_bytes <= 2048 and (not metadata_in_budget or logs <= dram_bytes // 4)
-    homes = sum(home_index_bytes(d[7], "log" if use_log else "in_place", d[4] + 1, row_bytes) for d in data)
+    homes = sum(home_index_bytes(d[7], "log" if use_log else "in_place", d[4] + 1, row_bytes)
+                for d in data if d[7] != "rocksdb")
     # device caches first: their rows go to the device budget, their directories to the DRAM one
     dev_pos = allocate(curves, device_bytes, row_bytes) if device_bytes else [0] * len(curves)
     dev_meta = sum(int(costs[t][i]) - int(curves[t][0][i]) * row_bytes for t, i in enumerate(dev_pos))
+    # rocksdb homes: their floors, then their tables' slices of what is left (module doc)
+    all_acc = max(1, sum(int(d[1].size) for d in data))
+    floors = sum(sum(rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data if d[7] == "rocksdb")
+    spare = dram_bytes - homes - dev_meta - floors
+    rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
+             (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]
+    homes += sum(bc + wb for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
     left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
     dram_pos = allocate(curves, max(0, left), row_bytes, costs)
     plans = []
-    for (name, k, o, uniq, max_id, per, caps, home), di, vi in zip(data, dram_pos, dev_pos):
+    for (name, k, o, uniq, max_id, per, caps, home), di, vi, (bc, wb) in zip(data, dram_pos, dev_pos, rocks):
         dram_rows, dev_rows = int(caps[di]), int(caps[vi])
         if dram_rows <= dev_rows:
             dram_rows = 0
@@ -263,5 +322,5 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
         # place is a read-modify-write of its 4 KiB block
         partial = max(dev_rows, dram_rows) < max_id + 1
         plans.append(TablePlan(name, acc, uniq, max_id, acc / max(1, uniq * row_bytes), home, dev_rows, dev_pol,
-                               dram_rows, dram_pol, res, "log" if use_log and partial else "in_place"))
+                               dram_rows, dram_pol, res, "log" if use_log and partial else "in_place", bc, wb))
     return TuneResult(plans, row_bytes, dim, dtype, int(dram_bytes), int(device_bytes), trace.num_batches, cost)

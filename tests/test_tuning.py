@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +13,14 @@ import embstore
 from embstore import costmodel, tracegen, traces
 from embstore.cli import main
 from embstore.config import StoreConfig
-from embstore.tuning import allocate, tune
+from embstore.tuning import (
+    ROCKSDB_BLOCK_CACHE_FLOOR,
+    ROCKSDB_DEFAULT,
+    ROCKSDB_WRITE_BUFFER_FLOOR,
+    allocate,
+    rocksdb_sizes,
+    tune,
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +28,17 @@ def trace_path(tmp_path_factory):
     p = tmp_path_factory.mktemp("tr") / "t.npz"
     traces.save(tracegen.generate(zipf_alpha=1.0, batches=10, batch_size=300, tables=3, ids=5000, seed=2), p)
     return p
+
+
+SPARSE_TABLES = 6
+SPARSE_FLOORS = SPARSE_TABLES * (ROCKSDB_WRITE_BUFFER_FLOOR + ROCKSDB_BLOCK_CACHE_FLOOR)  # 30 MiB
+
+
+@pytest.fixture(scope="module")
+def sparse_trace() -> traces.Trace:
+    """Six tables of Zipf ids spread over [0, 2**41): every home is rocksdb (6 x 128 MiB at the defaults)."""
+    tr = tracegen.generate(zipf_alpha=1.0, batches=10, batch_size=300, tables=SPARSE_TABLES, ids=5000, seed=4)
+    return traces.Trace(tr.ids * (1 << 28) + 12345, tr.table, tr.batch_offsets, tr.table_names)
 
 
 def test_allocate_greedy_matches_bruteforce():
@@ -31,15 +51,22 @@ def test_allocate_greedy_matches_bruteforce():
 
 
 def _store_dram(store) -> dict[str, int]:
-    """What an opened store really holds in host memory, by the parts ``dram_breakdown`` names."""
-    rows = meta = home = 0
+    """What an opened store really holds in host memory, by the parts ``dram_breakdown`` names; a
+    RocksDB home by what RocksDB itself reports: its block cache's capacity and the memtable size in the
+    OPTIONS file it wrote (the memtable fills on writes; this is its limit)."""
+    rows = meta = home = rocks = 0
     for table in store.tables.values():
         for tier in table.hierarchy.caches:
             rows += tier.slab.nbytes if tier.kind == "dram" else 0
             meta += tier.metadata_bytes
         h = table.hierarchy.home
-        home += sum(getattr(h, a).nbytes for a in ("_bits", "_slot_of", "_live", "_free") if hasattr(h, a))
-    return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home}
+        home += sum(getattr(h, a).nbytes for a in ("_bits", "_changed", "_slot_of", "_live", "_free")
+                    if hasattr(h, a))
+        if h.kind == "rocksdb":
+            rocks += int(h.raw.property_int_value("rocksdb.block-cache-capacity"))
+            options = max(Path(h.path).glob("OPTIONS-*"), key=lambda f: int(f.name.split("-")[1]))
+            rocks += int(re.search(r"^\s*write_buffer_size=(\d+)", options.read_text(), re.M).group(1))
+    return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home, "rocksdb_buffers": rocks}
 
 
 @pytest.mark.parametrize("dram", [64 << 10, 256 << 10])
@@ -80,6 +107,72 @@ def test_sparse_ids_get_rocksdb():
     res = tune(tr, 1 << 20, row_bytes=16)
     assert res.tables[0].home == "rocksdb"
     assert StoreConfig.from_toml(res.config().to_toml()).tables[0].tiers[-1].kind.value == "rocksdb"
+
+
+def test_many_sparse_tables_under_a_small_budget_get_small_rocksdb_caches_and_row_caches(sparse_trace, tmp_path):
+    """At RocksDB's defaults the six homes alone (768 MiB) overran 40 MiB and no table got a row cache."""
+    dram = 40 << 20
+    res = tune(sparse_trace, dram, row_bytes=64)
+    assert [p.home for p in res.tables] == ["rocksdb"] * SPARSE_TABLES
+    assert res.used_bytes()[1] <= dram
+    for p in res.tables:
+        assert p.dram_rows > 0
+        floor_bc, floor_wb = rocksdb_sizes(0, 0.0, p.unique_rows, 64)
+        assert p.block_cache >= floor_bc and p.write_buffer >= floor_wb
+        assert p.block_cache < ROCKSDB_DEFAULT.block_cache and p.write_buffer < ROCKSDB_DEFAULT.write_buffer
+        assert p.block_cache <= p.unique_rows * (64 + 16) + (64 << 10)  # never more than the table's data
+    cfg = StoreConfig.from_toml(res.config().to_toml())
+    for t, p in zip(cfg.tables, res.tables):
+        home = t.tiers[-1]
+        assert (home.kind.value, home.block_cache, home.write_buffer) == ("rocksdb", p.block_cache, p.write_buffer)
+    predicted = res.dram_breakdown()
+    assert predicted["rocksdb_buffers"] == sum(p.block_cache + p.write_buffer for p in res.tables)
+    with embstore.create(tmp_path / "s", cfg) as store:
+        assert _store_dram(store) == predicted
+        store["table_0"].update(np.array([5 << 28]), np.ones((1, 16), np.float32))
+    with embstore.open(tmp_path / "s") as store:
+        assert (store["table_0"].lookup(np.array([5 << 28])) == 1.0).all()
+
+
+def test_a_reopened_store_keeps_its_tuned_rocksdb_sizes(sparse_trace, tmp_path):
+    res = tune(sparse_trace, 40 << 20, row_bytes=64)
+    embstore.create(tmp_path / "s", res.config()).close()
+    with embstore.open(tmp_path / "s") as store:
+        assert _store_dram(store)["rocksdb_buffers"] == res.dram_breakdown()["rocksdb_buffers"]
+
+
+@pytest.mark.parametrize("dram", [SPARSE_FLOORS, SPARSE_FLOORS + (1 << 20), 48 << 20, 200 << 20, 3 << 30])
+def test_rocksdb_sizes_stay_within_the_budget_whenever_their_floors_fit(sparse_trace, dram):
+    res = tune(sparse_trace, dram, row_bytes=4096)  # 5,000 rows of 4 KiB: the block caches are not bounded by data
+    assert res.used_bytes()[1] <= dram
+    for p in res.tables:
+        assert ROCKSDB_BLOCK_CACHE_FLOOR <= p.block_cache <= ROCKSDB_DEFAULT.block_cache
+        assert ROCKSDB_WRITE_BUFFER_FLOOR <= p.write_buffer <= ROCKSDB_DEFAULT.write_buffer
+    assert res.dram_breakdown()["rocksdb_buffers"] <= SPARSE_FLOORS + (dram - SPARSE_FLOORS) // 4
+
+
+def test_a_large_budget_leaves_rocksdbs_defaults(sparse_trace):
+    big = tune(sparse_trace, 64 << 30, row_bytes=1 << 16)  # each table's data > 64 MiB
+    assert {(p.block_cache, p.write_buffer) for p in big.tables} == {(64 << 20, 64 << 20)}
+    assert StoreConfig.from_toml(big.config().to_toml()).tables[0].tiers[-1] == ROCKSDB_DEFAULT
+    small_rows = tune(sparse_trace, 64 << 30, row_bytes=64)  # the block cache need hold no more than the data
+    for p in small_rows.tables:
+        assert p.write_buffer == 64 << 20
+        assert p.block_cache == rocksdb_sizes(1 << 40, 1.0, p.unique_rows, 64)[0] < 64 << 20
+
+
+def test_tune_cli_itemises_rocksdb_and_warns_when_even_the_floors_do_not_fit(sparse_trace, tmp_path, capsys):
+    path = tmp_path / "sparse.npz"
+    traces.save(sparse_trace, path)
+    assert main(["tune", str(path), "--dram", "40MiB", "--dim", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "rocksdb block caches + memtables" in out and "6 home(s)" in out and "warning" not in out
+    assert main(["tune", str(path), "--dram", "16MiB", "--dim", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "warning" in out and "RocksDB's smallest block caches and memtables" in out
+    assert main(["tune", str(path), "--dram", "40MiB", "--dim", "16", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["dram_breakdown"]["rocksdb_buffers"] == sum(t["block_cache"] + t["write_buffer"] for t in rec["tables"])
 
 
 def test_replay_cli_json_and_plot(trace_path, tmp_path, capsys):

@@ -96,7 +96,10 @@ class RocksDBTier(Tier):
         self._check_directory()
         options = self._options(int(block_cache), int(write_buffer), compression)
         try:
-            self._db: Any = rocksdict.Rdict(self.path, options)
+            # The default column family's options are passed explicitly: without them rocksdict reopens
+            # an existing database with the options saved in its OPTIONS file (RocksDB's 8 MiB block
+            # cache, the memtable it was created with, no bloom filter), not the ones configured now.
+            self._db: Any = rocksdict.Rdict(self.path, options, column_families={"default": options})
         except Exception as exc:  # noqa: BLE001 - rocksdict raises bare Exception
             if _is_corruption(exc) or "Invalid argument" in str(exc):
                 raise CorruptStoreError(f"rocksdb tier: {self.path} is not a readable RocksDB "

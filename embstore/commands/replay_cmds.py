@@ -209,6 +209,12 @@ def _plot(groups, policies: list[str], path: str, marks: list[int | float] = ())
     plt.close(fig)
 
 
+def _span(sizes: list[int]) -> str:
+    """``4.0 MiB`` or ``1.0-4.4 MiB``: the range of per-home sizes, short enough for one line."""
+    lo, hi = min(sizes) / (1 << 20), max(sizes) / (1 << 20)
+    return f"{lo:.1f} MiB" if lo == hi else f"{lo:.1f}-{hi:.1f} MiB"
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     trace = traces.load(args.trace, batch_size=args.batch_size)
     if args.row_bytes is not None and args.dim is not None:
@@ -239,7 +245,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                       "bandwidth_per_byte": p.bandwidth_per_byte, "home": p.home,
                                       "device_rows": p.device_rows, "device_policy": p.device_policy,
                                       "dram_rows": p.dram_rows, "dram_policy": p.dram_policy,
-                                      "layout": p.layout if p.home == "ssd" else None}
+                                      "layout": p.layout if p.home == "ssd" else None,
+                                      "block_cache": p.block_cache if p.home == "rocksdb" else None,
+                                      "write_buffer": p.write_buffer if p.home == "rocksdb" else None}
                                      for p in res.tables]}))
         return 0
     lines = [f"{'table':<14} {'acc/byte':>9} {'device rows':>12} {'policy':<12} {'dram rows':>10} {'policy':<12} "
@@ -251,10 +259,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
                      f"{p.dram_policy if p.dram_rows else '-':<12} "
                      f"{p.home + ('/' + p.layout if p.home == 'ssd' else ''):<12} "
                      f"{100 * hits / max(1, p.accesses):6.2f}")
+    rocks = [p for p in res.tables if p.home == "rocksdb"]
     lines += [
         f"budget used  device {dev_used:,} of {args.device:,} B, DRAM {dram_used:,} of {args.dram:,} B "
         f"(cache rows {parts['cache_rows']:,}, cache directories {parts['cache_directories']:,}, "
-        f"home indexes {parts['home_indexes']:,})",
+        f"home indexes {parts['home_indexes']:,}"
+        + (f", rocksdb block caches + memtables {parts['rocksdb_buffers']:,}" if rocks else "") + ")",
+    ]
+    if rocks:
+        lines.append(f"rocksdb      {len(rocks)} home(s): block cache {_span([p.block_cache for p in rocks])}, "
+                     f"memtable {_span([p.write_buffer for p in rocks])} each (RocksDB's defaults: 64 MiB each)")
+    lines += [
         f"expected     device hits {100 * tot['device_hit_ratio']:.2f}%, DRAM hits {100 * tot['dram_hit_ratio']:.2f}%,"
         f" all caches {100 * tot['cache_hit_ratio']:.2f}% of deduplicated accesses",
         f"modelled     {1e3 * tot['seconds_per_batch']:.3f} ms/batch vs all-DRAM "
@@ -262,7 +277,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"({'calibrated' if cost.measured else 'built-in'} costs)",
     ]
     if dram_used > args.dram:
-        lines.append(f"warning      the homes' indexes and the device caches' directories alone need "
+        what = "the homes' indexes" + (", RocksDB's smallest block caches and memtables" if rocks else "")
+        lines.append(f"warning      {what} and the device caches' directories alone need "
                      f"{dram_used - parts['cache_rows']:,} B of DRAM, more than --dram {args.dram:,}: "
                      f"no DRAM cache fits; raise the budget")
     if args.out:
