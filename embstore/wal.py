@@ -17,7 +17,9 @@ A record is ``<magic u32, payload bytes u32, crc32 u32>`` then the payload:
 (little-endian). Records are appended whole with one ``write``; a crash can
 leave only the last one torn, and replay stops at the first record that is
 short or fails its checksum (it was never acknowledged: its sync did not
-return).
+return). Replay streams a segment record by record (header, then payload),
+so its memory is the largest record, not the segment; a length field larger
+than what is left of the file is damage, not a reason to allocate it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -42,6 +45,7 @@ WAL_DIR = "wal"
 _HEADER = struct.Struct("<III")
 _MAGIC = 0x314C5745  # b"EWL1"
 _COUNTS = struct.Struct("<II")
+_READ_BUFFER = 1 << 16
 
 
 def _segments(directory: Path) -> list[Path]:
@@ -66,29 +70,43 @@ def _decode(payload: bytes) -> tuple[str, np.ndarray, np.ndarray]:
     return name, ids, rows
 
 
+def _payloads(f: BinaryIO, end: int) -> Iterator[bytes]:
+    """The whole, checksummed payloads of the segment open in ``f`` (``end`` bytes long), in order,
+    up to the first short or damaged record; reads one record at a time. A length past ``end`` is
+    damage: reading it would allocate up to 4 GiB for a record that cannot be there."""
+    at = 0
+    while end - at >= _HEADER.size:
+        header = f.read(_HEADER.size)
+        if len(header) != _HEADER.size:  # the file shrank under us: as torn as a short record
+            return
+        magic, size, crc = _HEADER.unpack(header)
+        if magic != _MAGIC or size > end - at - _HEADER.size:
+            return
+        payload = f.read(size)
+        if len(payload) != size or zlib.crc32(payload) != crc:
+            return
+        yield payload
+        at += _HEADER.size + size
+
+
 def read_records(directory: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Every whole record of the log in ``directory``, oldest first, up to a torn tail of the last
     segment. A damaged record in an earlier segment (sealed, so synced whole) is a
     ``CorruptStoreError``: the writes after it were acknowledged and cannot be skipped."""
     segments = _segments(Path(directory))
     for n, path in enumerate(segments):
-        data = path.read_bytes()
-        at = 0
-        while at < len(data):
-            if len(data) - at < _HEADER.size:
-                break
-            magic, size, crc = _HEADER.unpack_from(data, at)
-            payload = data[at + _HEADER.size:at + _HEADER.size + size]
-            if magic != _MAGIC or len(payload) != size or zlib.crc32(payload) != crc:
-                break
-            yield _decode(payload)
-            at += _HEADER.size + size
-        if at < len(data):
+        with open(path, "rb", buffering=_READ_BUFFER) as f:
+            end = os.fstat(f.fileno()).st_size  # the size at open; anything appended later is not replayed
+            at = 0
+            for payload in _payloads(f, end):
+                yield _decode(payload)
+                at += _HEADER.size + len(payload)
+        if at < end:
             if n < len(segments) - 1:
                 raise CorruptStoreError(f"write-ahead log {path}: the record at offset {at} is damaged, and "
                                         "later segments hold acknowledged writes")
             log.warning("write-ahead log %s: %d bytes after offset %d are a torn record; ignored (never "
-                        "acknowledged)", path, len(data) - at, at)
+                        "acknowledged)", path, end - at, at)
 
 
 class WriteAheadLog:

@@ -3,9 +3,11 @@ replay keeps the order writes were applied in, and flushes drop only what they c
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
-from embstore.wal import WAL_DIR, read_records
+from embstore.wal import WAL_DIR, WriteAheadLog, read_records
 
 ROWS, DIM = 200, 4
 CONFIG = StoreConfig((TableConfig("t", ROWS, DIM, tiers=(TierConfig("dram", 64 * DIM * 4, "lru"), TierConfig("ssd"))),
@@ -154,3 +156,61 @@ def test_any_sequence_of_logged_writes_and_flushes_survives_a_kill(tmp_path_fact
     with embstore.open(path) as s:
         keys = np.array(sorted(model), np.int64)
         np.testing.assert_array_equal(s["t"].lookup(keys)[:, 0], np.array([model[k] for k in keys], np.float32))
+
+
+def _write_segments(directory, records_per_segment: list[int], dim: int = DIM) -> list[tuple[int, float]]:
+    """Segments of ``n`` records each through the real appender; returns (id, value) of every record."""
+    wal = WriteAheadLog(directory)
+    written = []
+    for count in records_per_segment:
+        for _ in range(count):
+            i = len(written)
+            wal.append("t", np.array([i, i + 1]), np.full((2, dim), i / 7, np.float32))
+            written.append((i, np.float32(i / 7)))
+        wal.seal()
+    wal.close()
+    return written
+
+
+def _replay_peak(directory) -> tuple[list[tuple[int, float]], int]:
+    """(id, value) of each replayed record, and the peak bytes Python allocated while replaying."""
+    tracemalloc.start()
+    try:
+        got = [(int(ids[0]), rows[0, 0]) for _, ids, rows in read_records(directory)]
+        return got, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_replay_streams_a_segment_of_many_records(tmp_path) -> None:
+    written = _write_segments(tmp_path, [3000], dim=256)  # ~6 MB in one segment, 2 KiB a record
+    (segment,) = tmp_path.glob("*.log")
+    got, peak = _replay_peak(tmp_path)
+    assert got == written
+    assert peak < segment.stat().st_size // 8  # record by record, not the segment whole
+
+
+def _append_absurd_header(segment) -> None:
+    with open(segment, "ab") as f:
+        f.write(struct.pack("<III", 0x314C5745, 0xFFFFFFF0, 0) + b"\x00" * 100)
+
+
+def test_an_absurd_length_in_the_last_segment_is_a_torn_tail(tmp_path) -> None:
+    written = _write_segments(tmp_path, [5])
+    _append_absurd_header(next(tmp_path.glob("*.log")))
+    got, peak = _replay_peak(tmp_path)
+    assert got == written and peak < 1 << 20  # no 4 GiB read of a record that cannot be there
+
+
+def test_an_absurd_length_before_the_last_segment_is_corruption(tmp_path) -> None:
+    _write_segments(tmp_path, [5, 1])
+    first, _ = sorted(tmp_path.glob("*.log"))
+    at = first.stat().st_size
+    _append_absurd_header(first)
+    tracemalloc.start()
+    try:
+        with pytest.raises(embstore.CorruptStoreError, match=f"offset {at} is damaged"):
+            list(read_records(tmp_path))
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
