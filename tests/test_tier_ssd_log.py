@@ -223,10 +223,15 @@ def test_a_torn_or_foreign_delta_record_is_ignored(tmp_path: Path, damage: str) 
     if damage == "torn-last":  # the third commit never finished: rows read as of the second
         delta_file.write_bytes(delta_file.read_bytes()[:-3])
         model.update({int(i): r for i, r in zip(ids[:10], rows_for(ids[:10], 64, 2))})
-    else:  # records that follow another slots.bin (a crash between rewriting the map and removing
-        data = bytearray(delta_file.read_bytes())  # them leaves such): none is applied, from the first on
-        data[8] ^= 0xFF
-        delta_file.write_bytes(bytes(data))
+    else:  # whole records that follow another slots.bin (a crash between rewriting the map and
+        data = delta_file.read_bytes()  # removing them leaves such): none is applied, from the first on
+        out, at = [], 0
+        while at < len(data):
+            magic, base, count, n, _ = ssd._DELTA_HEADER.unpack_from(data, at)
+            end = at + ssd._DELTA_HEADER.size + 16 * n
+            out.append(ssd._delta_record(magic, base ^ 1, count, n, data[at + ssd._DELTA_HEADER.size:end]))
+            at = end
+        delta_file.write_bytes(b"".join(out))
         model = {}  # every commit here was a record: slots.bin is the empty map of creation
     assert len(first) > 0
     again = LogSSDTier(tmp_path / "t", 1_000, 64)

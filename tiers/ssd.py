@@ -413,9 +413,10 @@ def _read_deltas(data: bytes, magic: bytes, entry_bytes: int, base_crc: int,
     """The records of ``data`` (file ``path``) that follow the index file with checksum ``base_crc``, as
     (entries, body) in order, and the resident count after the last (None when there is none).
 
-    Reading stops at a record that names another index file: records of an older one (a crash between
-    rewriting it and removing them) are in it already, and nothing is ever appended behind them. It
-    stops at a torn or checksum-failing record too, which must be the last (a commit that never
+    Reading stops at a whole record that names another index file: records of an older one (a crash
+    between rewriting it and removing them) are in it already, and nothing is ever appended behind
+    them. It stops at a torn or checksum-failing record too (the checksum covers the base field, so a
+    flipped bit there is damage, not a stale record), which must be the last (a commit that never
     returned: after a failed append the next commit rewrites the index, never appends): one with an
     intact record anywhere after it is damage, not a crash, so CorruptStoreError.
     """
@@ -423,10 +424,10 @@ def _read_deltas(data: bytes, magic: bytes, entry_bytes: int, base_crc: int,
     resident = None
     at = 0
     while len(data) - at >= _DELTA_HEADER.size:
-        m, base, count, n, _ = _DELTA_HEADER.unpack_from(data, at)
-        if m == magic and base != base_crc:
-            break
+        _, base, count, n, _ = _DELTA_HEADER.unpack_from(data, at)
         end = _intact_end(data, at, magic, entry_bytes)
+        if end >= 0 and base != base_crc:
+            break
         if end < 0:
             nxt = data.find(magic, at + 1)
             while nxt >= 0:
