@@ -32,6 +32,8 @@ from embstore.errors import (CorruptStoreError, DiskFullError, IdOutOfRangeError
 from embstore.tiers import ssd
 from embstore.tiers.ssd import BITMAP_FILE, SLAB_FILE, SSDTier, _runs
 
+from crash_states import check_against_flushes
+
 WIDTHS = [4, 68, 256, 1000, 5000]
 ENGINES = ["io_uring", "pread"]
 
@@ -711,18 +713,10 @@ def test_sigkill_keeps_flushed_rows(tmp_path: Path, engine: str, row_bytes: int)
         confirmed += [int(x) for x in proc.stdout.read().split()]
         proc.stdout.close()
         assert len(confirmed) >= target, "child died before flushing"
-        states = {int(p.name.split("-")[-1][:-4]): np.load(p) for p in tmp_path.glob(f"t{trial}.state-*.npy")}
-        candidates = [v for v in states if v >= confirmed[-1]]  # the last confirmed, or one in flight
         tier = make(d, 400, row_bytes, engine)
         out, found = tier.get(np.arange(400, dtype=np.int64))
         tier.close()
-        matching = [v for v in candidates if np.array_equal(states[v] >= 0, found)]
-        assert matching, "present rows match no flush"
-        at_flush = states[matching[0]]
-        for i in np.flatnonzero(found):
-            version = int(np.frombuffer(out[i, :4].tobytes(), np.int32)[0])
-            assert version >= at_flush[i], f"row {i} is older than its flush"
-            assert (out[i, 4:] == (i * 7 + version) % 251).all(), f"row {i} is torn"
+        check_against_flushes(tmp_path, f"t{trial}", confirmed[-1], out, found)
 
 
 # -- threads and fork -----------------------------------------------------------------------------

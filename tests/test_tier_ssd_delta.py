@@ -21,6 +21,7 @@ from embstore.errors import CorruptStoreError, DiskFullError, TierIOError
 from embstore.tiers import ssd
 from embstore.tiers.ssd import BITMAP_DELTA_FILE, BITMAP_FILE, SSDTier
 from embstore.tiers.ssd_log import LOG_DELTA_FILE, LogSSDTier
+from crash_states import check_against_flushes
 
 H = ssd._DELTA_HEADER
 
@@ -527,15 +528,7 @@ def test_sigkill_while_appending_records_keeps_flushed_rows(tmp_path: Path, tria
     proc.stdout.close()
     assert len(acks) >= 20, "the child died before flushing"
     assert sum(size > 0 for _, size in acks) > len(acks) // 2  # most commits were records
-    states = {int(p.name.split("-")[-1][:-4]): np.load(p) for p in tmp_path.glob("t.state-*.npy")}
-    candidates = [v for v in states if v >= acks[-1][0]]  # the last acknowledged, or one in flight
     tier = SSDTier(d, 20_000, 68)
     out, found = tier.get(np.arange(20_000, dtype=np.int64))
     tier.close()
-    matching = [v for v in candidates if np.array_equal(states[v] >= 0, found)]
-    assert matching, "present rows match no flush"
-    at_flush = states[matching[0]]
-    for i in np.flatnonzero(found):
-        version = int(np.frombuffer(out[i, :4].tobytes(), np.int32)[0])
-        assert version >= at_flush[i], f"row {i} is older than its flush"
-        assert (out[i, 4:] == (i * 7 + version) % 251).all(), f"row {i} is torn"
+    check_against_flushes(tmp_path, "t", acks[-1][0], out, found)
