@@ -34,14 +34,17 @@ than 1 in 1000 of the ids up to the largest are used), else ``ssd``, in its
 append instead of rewriting their blocks).
 
 A ``rocksdb`` home's block cache and memtable are sized from the budget, not
-left at RocksDB's 64 MiB + 64 MiB (which alone overran small budgets: eight
-sparse tables took 1 GiB before any row was cached). Each home first gets a
-floor: a 4 MiB memtable (RocksDB's old default; rocksdict accepts 64 KiB, but
+left at RocksDB's 64 MiB + 2 x 64 MiB (which alone overran small budgets: eight
+sparse tables took 1.5 GiB before any row was cached). A home holds its block
+cache (which also holds the SST index and filter blocks) and up to
+``MEMTABLES`` memtables (``RocksDBTier.dram_bytes``). Each home first gets a
+floor: 4 MiB memtables (RocksDB's old default; rocksdict accepts 64 KiB, but
 a tiny memtable flushes a small SST file every few writes and piles up
 compactions) and a 1 MiB block cache. Of the DRAM left after the floors, the
 indexes and the device caches' directories, a quarter is split among the
 tables by their share of the accesses, and a rocksdb home adds its table's
-slice, half to each, up to the defaults; the block cache also at most the
+slice, half to the block cache and half to the memtables, up to the
+defaults; the block cache also at most the
 table's data (its distinct rows at ``row_bytes`` + 16 bytes of key and block
 overhead: a larger cache would hold nothing more). The block cache is only
 another cache level under the table's row caches, and a byte-poor one: it
@@ -66,6 +69,7 @@ from embstore.costmodel import CostModel
 from embstore.errors import InvalidInputError
 from embstore.simulator import ReplayResult, miss_ratio_curve, replay_keys, table_keys
 from embstore.tiers.cache import cache_metadata_bytes
+from embstore.tiers.rocksdb import MEMTABLES, RocksDBTier
 from embstore.tiers.ssd import SSDTier
 from embstore.tiers.ssd_log import LogSSDTier
 from embstore.traces import Trace
@@ -149,7 +153,7 @@ class TuneResult:
             meta += sum(cache_metadata_bytes(n, p.num_rows, pol)
                         for n, pol in ((p.dram_rows, p.dram_policy), (p.device_rows, p.device_policy)) if n)
             if p.home == "rocksdb":
-                rocks += p.block_cache + p.write_buffer
+                rocks += RocksDBTier.dram_bytes(p.block_cache, p.write_buffer)
             else:
                 home += home_index_bytes(p.home, p.layout, p.num_rows, self.row_bytes)
         return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home, "rocksdb_buffers": rocks}
@@ -189,25 +193,26 @@ def home_index_bytes(kind: str, layout: str, num_rows: int, row_bytes: int,
                      block_cache: int = ROCKSDB_DEFAULT.block_cache,
                      write_buffer: int = ROCKSDB_DEFAULT.write_buffer) -> int:
     """DRAM a home keeps per table: ``in_place`` a presence bit per row, ``log`` a slot per row plus
-    block counters, RocksDB its block cache and memtable (its defaults unless given)."""
+    block counters, RocksDB its block cache and memtables (its defaults unless given)."""
     if kind == "rocksdb":
-        return block_cache + write_buffer
+        return RocksDBTier.dram_bytes(block_cache, write_buffer)
     return (LogSSDTier if layout == "log" else SSDTier).index_bytes(num_rows, row_bytes)
 
 
 def rocksdb_sizes(spare: int, share: float, unique_rows: int, row_bytes: int) -> tuple[int, int]:
-    """(block cache, write buffer) bytes of a rocksdb home (module doc): each its floor plus half of
+    """(block cache, write buffer) bytes of a rocksdb home (module doc): each its floor plus a part of
     ``ROCKSDB_BUDGET_SHARE x share x spare`` (``spare``: DRAM left after every floor and index;
-    ``share``: the table's fraction of all accesses), at most RocksDB's default; the block cache at most
-    the table's data. ``spare=0`` gives the floors."""
+    ``share``: the table's fraction of all accesses), half of it to the block cache and half to the
+    ``MEMTABLES`` memtables, each at most RocksDB's default; the block cache at most the table's data.
+    ``spare=0`` gives the floors."""
     extra = int(max(0, spare) * max(0.0, share) * ROCKSDB_BUDGET_SHARE / 2)
     data = -(-max(1, unique_rows) * (row_bytes + _ROCKSDB_ENTRY_OVERHEAD) // _ROCKSDB_GRAIN) * _ROCKSDB_GRAIN
 
-    def size(floor: int, default: int) -> int:
-        return min(default, (floor + extra) // _ROCKSDB_GRAIN * _ROCKSDB_GRAIN)
+    def size(floor: int, default: int, part: int) -> int:
+        return min(default, (floor + part) // _ROCKSDB_GRAIN * _ROCKSDB_GRAIN)
 
-    return (min(data, size(ROCKSDB_BLOCK_CACHE_FLOOR, ROCKSDB_DEFAULT.block_cache)),
-            size(ROCKSDB_WRITE_BUFFER_FLOOR, ROCKSDB_DEFAULT.write_buffer))
+    return (min(data, size(ROCKSDB_BLOCK_CACHE_FLOOR, ROCKSDB_DEFAULT.block_cache, extra)),
+            size(ROCKSDB_WRITE_BUFFER_FLOOR, ROCKSDB_DEFAULT.write_buffer, extra // MEMTABLES))
 
 
 def _cache_costs(caps: np.ndarray, best: np.ndarray, policies: Sequence[str], num_rows: int,
@@ -301,11 +306,11 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
     dev_meta = sum(int(costs[t][i]) - int(curves[t][0][i]) * row_bytes for t, i in enumerate(dev_pos))
     # rocksdb homes: their floors, then their tables' slices of what is left (module doc)
     all_acc = max(1, sum(int(d[1].size) for d in data))
-    floors = sum(sum(rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data if d[7] == "rocksdb")
+    floors = sum(RocksDBTier.dram_bytes(*rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data if d[7] == "rocksdb")
     spare = dram_bytes - homes - dev_meta - floors
     rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
              (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]
-    homes += sum(bc + wb for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
+    homes += sum(RocksDBTier.dram_bytes(bc, wb) for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
     left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
     dram_pos = allocate(curves, max(0, left), row_bytes, costs)
     plans = []

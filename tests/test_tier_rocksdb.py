@@ -29,7 +29,7 @@ from embstore.errors import (
     StoreClosedError,
     TierIOError,
 )
-from embstore.tiers.rocksdb import RocksDBTier, pack_keys
+from embstore.tiers.rocksdb import MEMTABLES, RocksDBTier, pack_keys
 
 RB = 24  # row bytes used by most tests
 SMALL = dict(block_cache=1 << 20, write_buffer=256 << 10)
@@ -138,6 +138,27 @@ def test_persists_across_close_and_reopen(tmp_path: Path) -> None:
     assert not found[:10].any() and found[10:].all()
     assert np.array_equal(got[10:], rows[10:])
     tier.close()
+
+
+def _options_file(path: Path) -> str:
+    return max(path.glob("OPTIONS-*"), key=lambda f: int(f.name.split("-")[1])).read_text()
+
+
+def test_reopening_applies_the_sizes_configured_now(tmp_path: Path) -> None:
+    """The configured options win over those saved in the database's OPTIONS file: a home reopened
+    with other sizes (as `embstore tune` may write) runs with them, and its memory is bounded by
+    ``dram_bytes`` (index and filter blocks live in the block cache, ``MEMTABLES`` memtables)."""
+    tier = RocksDBTier(tmp_path, 8, block_cache=4 << 20, write_buffer=1 << 20)
+    tier.put(np.arange(100, dtype=np.int64), np.ones((100, 8), np.uint8))
+    tier.close()
+    tier = RocksDBTier(tmp_path, 8, block_cache=3 << 20, write_buffer=2 << 20)
+    assert int(tier.raw.property_int_value("rocksdb.block-cache-capacity")) == 3 << 20
+    text = _options_file(tmp_path)
+    assert "write_buffer_size=2097152" in text and f"max_write_buffer_number={MEMTABLES}" in text
+    assert "cache_index_and_filter_blocks=true" in text and "pin_l0_filter_and_index_blocks_in_cache=true" in text
+    assert tier.get(np.arange(100, dtype=np.int64))[1].all()
+    tier.close()
+    assert RocksDBTier.dram_bytes(3 << 20, 2 << 20) == (3 << 20) + MEMTABLES * (2 << 20)
 
 
 def test_keys_are_big_endian_so_iteration_is_numeric() -> None:

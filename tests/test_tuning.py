@@ -13,6 +13,7 @@ import embstore
 from embstore import costmodel, tracegen, traces
 from embstore.cli import main
 from embstore.config import StoreConfig
+from embstore.tiers.rocksdb import MEMTABLES
 from embstore.tuning import (
     ROCKSDB_BLOCK_CACHE_FLOOR,
     ROCKSDB_DEFAULT,
@@ -31,7 +32,7 @@ def trace_path(tmp_path_factory):
 
 
 SPARSE_TABLES = 6
-SPARSE_FLOORS = SPARSE_TABLES * (ROCKSDB_WRITE_BUFFER_FLOOR + ROCKSDB_BLOCK_CACHE_FLOOR)  # 30 MiB
+SPARSE_FLOORS = SPARSE_TABLES * (MEMTABLES * ROCKSDB_WRITE_BUFFER_FLOOR + ROCKSDB_BLOCK_CACHE_FLOOR)  # 54 MiB
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,8 @@ def test_allocate_greedy_matches_bruteforce():
 
 def _store_dram(store) -> dict[str, int]:
     """What an opened store really holds in host memory, by the parts ``dram_breakdown`` names; a
-    RocksDB home by what RocksDB itself reports: its block cache's capacity and the memtable size in the
-    OPTIONS file it wrote (the memtable fills on writes; this is its limit)."""
+    RocksDB home by what RocksDB itself reports: its block cache's capacity and the memtable size and
+    count in the OPTIONS file it wrote (memtables fill on writes; this is their limit)."""
     rows = meta = home = rocks = 0
     for table in store.tables.values():
         for tier in table.hierarchy.caches:
@@ -65,7 +66,9 @@ def _store_dram(store) -> dict[str, int]:
         if h.kind == "rocksdb":
             rocks += int(h.raw.property_int_value("rocksdb.block-cache-capacity"))
             options = max(Path(h.path).glob("OPTIONS-*"), key=lambda f: int(f.name.split("-")[1]))
-            rocks += int(re.search(r"^\s*write_buffer_size=(\d+)", options.read_text(), re.M).group(1))
+            text = options.read_text()
+            option = lambda name: int(re.search(rf"^\s*{name}=(\d+)", text, re.M).group(1))  # noqa: E731
+            rocks += option("write_buffer_size") * option("max_write_buffer_number")
     return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home, "rocksdb_buffers": rocks}
 
 
@@ -110,8 +113,8 @@ def test_sparse_ids_get_rocksdb():
 
 
 def test_many_sparse_tables_under_a_small_budget_get_small_rocksdb_caches_and_row_caches(sparse_trace, tmp_path):
-    """At RocksDB's defaults the six homes alone (768 MiB) overran 40 MiB and no table got a row cache."""
-    dram = 40 << 20
+    """At RocksDB's defaults the six homes alone (1,152 MiB) overran 64 MiB and no table got a row cache."""
+    dram = 64 << 20
     res = tune(sparse_trace, dram, row_bytes=64)
     assert [p.home for p in res.tables] == ["rocksdb"] * SPARSE_TABLES
     assert res.used_bytes()[1] <= dram
@@ -126,7 +129,7 @@ def test_many_sparse_tables_under_a_small_budget_get_small_rocksdb_caches_and_ro
         home = t.tiers[-1]
         assert (home.kind.value, home.block_cache, home.write_buffer) == ("rocksdb", p.block_cache, p.write_buffer)
     predicted = res.dram_breakdown()
-    assert predicted["rocksdb_buffers"] == sum(p.block_cache + p.write_buffer for p in res.tables)
+    assert predicted["rocksdb_buffers"] == sum(p.block_cache + MEMTABLES * p.write_buffer for p in res.tables)
     with embstore.create(tmp_path / "s", cfg) as store:
         assert _store_dram(store) == predicted
         store["table_0"].update(np.array([5 << 28]), np.ones((1, 16), np.float32))
@@ -135,13 +138,13 @@ def test_many_sparse_tables_under_a_small_budget_get_small_rocksdb_caches_and_ro
 
 
 def test_a_reopened_store_keeps_its_tuned_rocksdb_sizes(sparse_trace, tmp_path):
-    res = tune(sparse_trace, 40 << 20, row_bytes=64)
+    res = tune(sparse_trace, 64 << 20, row_bytes=64)
     embstore.create(tmp_path / "s", res.config()).close()
     with embstore.open(tmp_path / "s") as store:
         assert _store_dram(store)["rocksdb_buffers"] == res.dram_breakdown()["rocksdb_buffers"]
 
 
-@pytest.mark.parametrize("dram", [SPARSE_FLOORS, SPARSE_FLOORS + (1 << 20), 48 << 20, 200 << 20, 3 << 30])
+@pytest.mark.parametrize("dram", [SPARSE_FLOORS, SPARSE_FLOORS + (1 << 20), 72 << 20, 200 << 20, 3 << 30])
 def test_rocksdb_sizes_stay_within_the_budget_whenever_their_floors_fit(sparse_trace, dram):
     res = tune(sparse_trace, dram, row_bytes=4096)  # 5,000 rows of 4 KiB: the block caches are not bounded by data
     assert res.used_bytes()[1] <= dram
@@ -164,15 +167,16 @@ def test_a_large_budget_leaves_rocksdbs_defaults(sparse_trace):
 def test_tune_cli_itemises_rocksdb_and_warns_when_even_the_floors_do_not_fit(sparse_trace, tmp_path, capsys):
     path = tmp_path / "sparse.npz"
     traces.save(sparse_trace, path)
-    assert main(["tune", str(path), "--dram", "40MiB", "--dim", "16"]) == 0
+    assert main(["tune", str(path), "--dram", "64MiB", "--dim", "16"]) == 0
     out = capsys.readouterr().out
     assert "rocksdb block caches + memtables" in out and "6 home(s)" in out and "warning" not in out
-    assert main(["tune", str(path), "--dram", "16MiB", "--dim", "16"]) == 0
+    assert main(["tune", str(path), "--dram", "40MiB", "--dim", "16"]) == 0
     out = capsys.readouterr().out
     assert "warning" in out and "RocksDB's smallest block caches and memtables" in out
-    assert main(["tune", str(path), "--dram", "40MiB", "--dim", "16", "--json"]) == 0
+    assert main(["tune", str(path), "--dram", "64MiB", "--dim", "16", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["dram_breakdown"]["rocksdb_buffers"] == sum(t["block_cache"] + t["write_buffer"] for t in rec["tables"])
+    assert rec["dram_breakdown"]["rocksdb_buffers"] == sum(t["block_cache"] + MEMTABLES * t["write_buffer"]
+                                                          for t in rec["tables"])
 
 
 def test_replay_cli_json_and_plot(trace_path, tmp_path, capsys):

@@ -48,6 +48,7 @@ from embstore.tiers.base import Tier
 
 COMPRESSIONS = ("none", "snappy", "lz4", "lz4hc", "zstd", "zlib", "bz2")
 _BLOOM_BITS_PER_KEY = 10  # ~1% false positives: misses rarely touch a data block
+MEMTABLES = 2  # max_write_buffer_number: the memtable being written and one being flushed
 _STALL_PREFIX = "Result incomplete"  # rocksdict's text for Status::Incomplete (write stall)
 _STALL_SLEEP_MIN, _STALL_SLEEP_MAX = 1e-4, 0.05
 
@@ -71,6 +72,10 @@ class RocksDBTier(Tier):
     block_cache:  bytes of RocksDB's LRU block cache (uncompressed data blocks).
     write_buffer: bytes of one memtable before it is flushed to an SST file.
     compression:  one of :data:`COMPRESSIONS`; rows of floats compress poorly, so "none".
+
+    Memory: the block cache also holds the SST files' index and filter blocks
+    (level-0 ones pinned), so with up to ``MEMTABLES`` memtables RocksDB keeps
+    about :meth:`dram_bytes` of DRAM, which ``tune`` charges to its budget.
 
     ``resident_rows`` is RocksDB's key estimate; ``capacity_rows`` is 0 (unbounded).
     Negative ids raise :class:`IdOutOfRangeError`; every id in ``[0, 2**63)`` is valid.
@@ -109,6 +114,12 @@ class RocksDBTier(Tier):
         self._write_opts.no_slowdown = True  # see _write
         self._check_first_row()
 
+    @staticmethod
+    def dram_bytes(block_cache: int, write_buffer: int) -> int:
+        """DRAM a home with these sizes holds: its block cache (data, index and filter blocks) and its
+        memtables at their limit."""
+        return int(block_cache) + MEMTABLES * int(write_buffer)
+
     # -- opening ---------------------------------------------------------------
     def _check_directory(self) -> None:
         """Create a missing directory; refuse a non-empty one that holds no database."""
@@ -129,6 +140,7 @@ class RocksDBTier(Tier):
         opts.create_if_missing(True)
         opts.set_paranoid_checks(True)
         opts.set_write_buffer_size(write_buffer)
+        opts.set_max_write_buffer_number(MEMTABLES)
         opts.set_compression_type(getattr(rocksdict.DBCompressionType, compression)())
         table = rocksdict.BlockBasedOptions()
         if block_cache > 0:
@@ -136,6 +148,9 @@ class RocksDBTier(Tier):
         else:
             table.disable_cache()
         table.set_bloom_filter(_BLOOM_BITS_PER_KEY, False)
+        if block_cache > 0:  # index and filter blocks count against the cache, not beside it
+            table.set_cache_index_and_filter_blocks(True)
+            table.set_pin_l0_filter_and_index_blocks_in_cache(True)
         opts.set_block_based_table_factory(table)
         return opts
 

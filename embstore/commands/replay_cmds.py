@@ -18,6 +18,7 @@ from embstore.config import PolicySpec, RowDType
 from embstore.errors import ConfigError, InvalidInputError
 from embstore.rows import RowFormat
 from embstore.simulator import miss_ratio_curve, replay_keys, table_keys
+from embstore.tiers.rocksdb import MEMTABLES
 from embstore.tuning import POLICIES, tune
 
 
@@ -268,7 +269,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     ]
     if rocks:
         lines.append(f"rocksdb      {len(rocks)} home(s): block cache {_span([p.block_cache for p in rocks])}, "
-                     f"memtable {_span([p.write_buffer for p in rocks])} each (RocksDB's defaults: 64 MiB each)")
+                     f"memtables {_span([p.write_buffer for p in rocks])} x {MEMTABLES} each (RocksDB's defaults: 64 MiB, "
+                     f"64 MiB x {MEMTABLES})")
     lines += [
         f"expected     device hits {100 * tot['device_hit_ratio']:.2f}%, DRAM hits {100 * tot['dram_hit_ratio']:.2f}%,"
         f" all caches {100 * tot['cache_hit_ratio']:.2f}% of deduplicated accesses",
