@@ -19,11 +19,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from embstore.errors import CorruptStoreError, DiskFullError, TierIOError
 from embstore.tiers import ssd
+from embstore.tiers.delta import RECORD_HEADER, encode_record
 from embstore.tiers.ssd import BITMAP_DELTA_FILE, BITMAP_FILE, SSDTier
 from embstore.tiers.ssd_log import LOG_DELTA_FILE, LogSSDTier
 from crash_states import check_against_flushes
 
-H = ssd._DELTA_HEADER
+H = RECORD_HEADER
 
 
 def rows_for(ids: np.ndarray, row_bytes: int, version: int) -> np.ndarray:
@@ -262,7 +263,7 @@ def test_records_of_another_present_bin_are_ignored(tmp_path: Path, how: str) ->
     data = bytearray(delta.read_bytes())
     at, base, count, n = records(delta)[1]  # a whole, valid record that names another present.bin
     body = bytes(data[at + H.size:at + H.size + 5 * n])
-    data[at:at + H.size + 5 * n] = ssd._delta_record(ssd._BITMAP_DELTA_MAGIC, base ^ 1, count, n, body)
+    data[at:at + H.size + 5 * n] = encode_record(ssd._BITMAP_DELTA_MAGIC, base ^ 1, count, n, body)
     want = states[1]  # from it on, none is applied
     delta.write_bytes(bytes(data))
     again = reopened(path)
@@ -305,7 +306,7 @@ def test_a_valid_record_that_contradicts_the_bitmap_is_corruption(tmp_path: Path
         count += 1
     else:
         offs[0], vals[0] = 12_500, 0xFF  # bits of rows 100,003.. set
-    record = ssd._delta_record(ssd._BITMAP_DELTA_MAGIC, base, count, 1, offs.tobytes() + vals.tobytes())
+    record = encode_record(ssd._BITMAP_DELTA_MAGIC, base, count, 1, offs.tobytes() + vals.tobytes())
     with open(tmp_path / "t" / BITMAP_DELTA_FILE, "ab") as f:
         f.write(record)
     with pytest.raises(CorruptStoreError, match=BITMAP_DELTA_FILE):

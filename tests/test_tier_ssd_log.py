@@ -20,6 +20,7 @@ import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.errors import ConfigError, CorruptStoreError, DiskFullError, TierIOError
 from embstore.tiers import ssd, ssd_log
+from embstore.tiers.delta import RECORD_HEADER, encode_record
 from embstore.tiers.ssd import SSDTier
 from embstore.tiers.ssd_log import LogSSDTier
 
@@ -227,9 +228,9 @@ def test_a_torn_or_foreign_delta_record_is_ignored(tmp_path: Path, damage: str) 
         data = delta_file.read_bytes()  # removing them leaves such): none is applied, from the first on
         out, at = [], 0
         while at < len(data):
-            magic, base, count, n, _ = ssd._DELTA_HEADER.unpack_from(data, at)
-            end = at + ssd._DELTA_HEADER.size + 16 * n
-            out.append(ssd._delta_record(magic, base ^ 1, count, n, data[at + ssd._DELTA_HEADER.size:end]))
+            magic, base, count, n, _ = RECORD_HEADER.unpack_from(data, at)
+            end = at + RECORD_HEADER.size + 16 * n
+            out.append(encode_record(magic, base ^ 1, count, n, data[at + RECORD_HEADER.size:end]))
             at = end
         delta_file.write_bytes(b"".join(out))
         model = {}  # every commit here was a record: slots.bin is the empty map of creation

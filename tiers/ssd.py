@@ -99,6 +99,7 @@ from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids
 from embstore.errors import (CorruptStoreError, IdOutOfRangeError, InvalidRowsError, StoreClosedError,
                              TierIOError, tier_io_error)
 from embstore.tiers.base import Tier
+from embstore.tiers.delta import RECORD_HEADER, encode_record, read_records
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,6 @@ _BITMAP_MAGIC = b"EMBSSD\x00\x01"
 # magic, num_rows, row_bytes, block_bytes, present count, crc32 (of header with crc=0, then the bits)
 _BITMAP_HEADER = struct.Struct("<8sQQQQI4x")
 _BITMAP_DELTA_MAGIC = b"EMBSSDP\x01"
-# a delta record (present.delta, and the log layout's slots.delta): magic, crc32 of the index file it
-# follows, resident count after the commit, entries in the record, crc32 (of header with crc=0, then body)
-_DELTA_HEADER = struct.Struct("<8sIQQI")
 
 _IORING_OP_READ = 22
 _IORING_OP_WRITE = 23
@@ -384,64 +382,6 @@ def _block_changed(changed: np.ndarray, blocks: np.ndarray, counts: np.ndarray, 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
 
-# ---------------------------------------------------------------------------
-# delta records: the commits a home appends between whole rewrites of its index file
-# (present.delta here, slots.delta in tiers/ssd_log.py)
-# ---------------------------------------------------------------------------
-def _delta_record(magic: bytes, base_crc: int, resident: int, entries: int, body: bytes) -> bytes:
-    """One commit record; ``base_crc`` ties it to the index file it follows."""
-    crc = zlib.crc32(body, zlib.crc32(_DELTA_HEADER.pack(magic, base_crc, resident, entries, 0)))
-    return _DELTA_HEADER.pack(magic, base_crc, resident, entries, crc) + body
-
-
-def _intact_end(data: bytes, at: int, magic: bytes, entry_bytes: int) -> int:
-    """End of the whole record with a good checksum at ``at``; -1 when there is none."""
-    if at < 0 or len(data) - at < _DELTA_HEADER.size:
-        return -1
-    m, base, count, n, crc = _DELTA_HEADER.unpack_from(data, at)
-    end = at + _DELTA_HEADER.size + entry_bytes * n
-    if m != magic or end > len(data):
-        return -1
-    body = memoryview(data)[at + _DELTA_HEADER.size:end]
-    if zlib.crc32(body, zlib.crc32(_DELTA_HEADER.pack(m, base, count, n, 0))) != crc:
-        return -1
-    return end
-
-
-def _read_deltas(data: bytes, magic: bytes, entry_bytes: int, base_crc: int,
-                 path: Path) -> tuple[list[tuple[int, bytes]], int | None]:
-    """The records of ``data`` (file ``path``) that follow the index file with checksum ``base_crc``, as
-    (entries, body) in order, and the resident count after the last (None when there is none).
-
-    Reading stops at a whole record that names another index file: records of an older one (a crash
-    between rewriting it and removing them) are in it already, and nothing is ever appended behind
-    them. It stops at a torn or checksum-failing record too (the checksum covers the base field, so a
-    flipped bit there is damage, not a stale record), which must be the last (a commit that never
-    returned: after a failed append the next commit rewrites the index, never appends): one with an
-    intact record anywhere after it is damage, not a crash, so CorruptStoreError.
-    """
-    out: list[tuple[int, bytes]] = []
-    resident = None
-    at = 0
-    while len(data) - at >= _DELTA_HEADER.size:
-        _, base, count, n, _ = _DELTA_HEADER.unpack_from(data, at)
-        end = _intact_end(data, at, magic, entry_bytes)
-        if end >= 0 and base != base_crc:
-            break
-        if end < 0:
-            nxt = data.find(magic, at + 1)
-            while nxt >= 0:
-                if _intact_end(data, nxt, magic, entry_bytes) >= 0:
-                    raise CorruptStoreError(f"ssd tier: {path} has a damaged commit record at byte {at} "
-                                            f"with an intact one after it (at byte {nxt})")
-                nxt = data.find(magic, nxt + 1)
-            break
-        out.append((n, data[at + _DELTA_HEADER.size:end]))
-        resident = count
-        at = end
-    return out, resident
-
-
 def _runs(blocks: np.ndarray, positions: np.ndarray, max_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """Group sorted, distinct ``blocks`` into runs that are consecutive both in the file and at
     ``positions`` of the buffer, each at most ``max_blocks`` long.
@@ -680,7 +620,7 @@ class SSDTier(Tier):
         path = self.path / self._delta_file
         data = self._read_delta_file()
         width = self._offset_dtype
-        records, resident = _read_deltas(data, _BITMAP_DELTA_MAGIC, width.itemsize + 1, crc, path)
+        records, resident = read_records(data, _BITMAP_DELTA_MAGIC, width.itemsize + 1, crc, path)
         for n, body in records:
             offs = np.frombuffer(body, width, n)
             if n and int(offs.max()) >= len(bits):
@@ -767,7 +707,7 @@ class SSDTier(Tier):
         if self._base_crc is not None and n == 0:
             return  # only rows already present were rewritten
         width = self._offset_dtype
-        if self._base_crc is None or self._delta_bytes + _DELTA_HEADER.size + n * (width.itemsize + 1) > \
+        if self._base_crc is None or self._delta_bytes + RECORD_HEADER.size + n * (width.itemsize + 1) > \
                 self._bits.nbytes:
             self._write_bitmap()
             return
@@ -777,7 +717,7 @@ class SSDTier(Tier):
         flags = np.unpackbits(self._changed[flagged], bitorder="little").reshape(-1, 8).view(np.bool_)
         offs = ((flagged[:, None] << 3) + np.arange(8))[flags]  # bitmap bytes changed: sorted, distinct
         body = offs.astype(width).tobytes() + self._bits[offs].tobytes()
-        self._append_delta(_delta_record(_BITMAP_DELTA_MAGIC, self._base_crc, self._resident, len(offs), body))
+        self._append_delta(encode_record(_BITMAP_DELTA_MAGIC, self._base_crc, self._resident, len(offs), body))
         self._changed[flagged] = 0
         self._changed_n = 0
 

@@ -55,7 +55,8 @@ from numba import njit
 
 from embstore.arrays import Ids, Mask, RowBytes
 from embstore.errors import CorruptStoreError, DiskFullError, tier_io_error
-from embstore.tiers.ssd import _DELTA_HEADER, BITMAP_FILE, LOG_MAP_FILE, PAGE, SSDTier, _delta_record, _read_deltas
+from embstore.tiers.delta import RECORD_HEADER, encode_record, read_records
+from embstore.tiers.ssd import BITMAP_FILE, LOG_MAP_FILE, PAGE, SSDTier
 
 SPARE_SHARE = 0.25  # spare blocks, as a share of the blocks the rows fill
 MIN_SPARE_BLOCKS = 64
@@ -66,8 +67,7 @@ _MAP_MAGIC = b"EMBSSDL\x01"
 _MAP_HEADER = struct.Struct("<8sQQQQQQI4x")
 LOG_DELTA_FILE = "slots.delta"
 _DELTA_MAGIC = b"EMBSSDD\x01"
-# a record (framed and read by tiers/ssd.py's _delta_record/_read_deltas, header _DELTA_HEADER): the
-# moved rows' ids, then their slots, int64 each
+# a record's entries (framed and read by tiers/delta.py): the moved rows' ids, then their slots, int64 each
 _DELTA_ENTRY_BYTES = 16
 
 
@@ -232,7 +232,7 @@ class LogSSDTier(SSDTier):
         slot_of = np.frombuffer(body, dtype=self._slot_dtype.newbyteorder("<")).astype(self._slot_dtype)
         delta_path = self.path / LOG_DELTA_FILE
         deltas = self._read_delta_file()
-        records, last = _read_deltas(deltas, _DELTA_MAGIC, _DELTA_ENTRY_BYTES, crc, delta_path)
+        records, last = read_records(deltas, _DELTA_MAGIC, _DELTA_ENTRY_BYTES, crc, delta_path)
         for n, record in records:
             ids = np.frombuffer(record, "<i8", n).astype(np.int64)
             if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
@@ -259,12 +259,12 @@ class LogSSDTier(SSDTier):
         # not deduplicated (a sort of up to a cleaning round's 500k rows per commit): a row moved twice
         # appears twice with the same, current slot
         moved = np.concatenate(self._moved) if self._moved else np.empty(0, np.int64)
-        record_bytes = _DELTA_HEADER.size + _DELTA_ENTRY_BYTES * len(moved)
+        record_bytes = RECORD_HEADER.size + _DELTA_ENTRY_BYTES * len(moved)
         if self._base_crc is None or self._delta_bytes + record_bytes > self._slot_of.nbytes:
             self._write_full_map()
         else:
             body = np.ascontiguousarray(moved, "<i8").tobytes() + self._slot_of[moved].astype("<i8").tobytes()
-            self._append_delta(_delta_record(_DELTA_MAGIC, self._base_crc, self._resident, len(moved), body))
+            self._append_delta(encode_record(_DELTA_MAGIC, self._base_crc, self._resident, len(moved), body))
         self._moved = []
         if self._limbo:  # limbo blocks hold no live row and are never written before this commit
             # limbo blocks held live rows until this window, so none is free already: a sorted insert
