@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from embstore.errors import IdOutOfRangeError
 from embstore.tiers.base import Tier
 from embstore.tiers.cache import DeviceTier, DRAMTier, MmapCacheTier
 from embstore.tiers.mmap import MmapTier
@@ -27,6 +28,7 @@ Factory = Callable[[Path, int], Tier]
 FACTORIES: dict[str, Factory] = {
     "dram": lambda d, rb: DRAMTier(rb, NUM_ROWS * 2, "lru"),
     "dram-direct": lambda d, rb: DRAMTier(rb, NUM_ROWS, "lru", num_rows=NUM_ROWS),
+    "dram-keyed": lambda d, rb: DRAMTier(rb, NUM_ROWS * 2, "lfu+tinylfu", num_rows=NUM_ROWS * 4),
     "device": lambda d, rb: DeviceTier(rb, NUM_ROWS * 2, "clock"),
     "mmap-cache": lambda d, rb: MmapCacheTier(d / "c.mmap", rb, NUM_ROWS * 2, "lfu"),
     "mmap": lambda d, rb: MmapTier(d / "mmap", NUM_ROWS, rb),
@@ -34,6 +36,12 @@ FACTORIES: dict[str, Factory] = {
     "ssd-log": lambda d, rb: LogSSDTier(d / "ssd-log", NUM_ROWS, rb, queue_depth=8),
     "rocksdb": lambda d, rb: RocksDBTier(d / "rocks", rb),
 }
+
+
+# the ids a tier accepts: [0, limit), or every id >= 0 (None)
+ID_LIMITS: dict[str, int | None] = {"dram": None, "dram-direct": NUM_ROWS, "dram-keyed": NUM_ROWS * 4,
+                                    "device": None, "mmap-cache": None, "mmap": NUM_ROWS, "ssd": NUM_ROWS,
+                                    "ssd-log": NUM_ROWS, "rocksdb": None}
 
 
 @pytest.fixture(params=sorted(FACTORIES))
@@ -85,6 +93,16 @@ class TestTierConformance:
         t = make(tmp_path, 8)
         with pytest.raises(ValueError):
             t.put(np.array([1], np.int64), np.zeros((1, 9), np.uint8))
+        t.close()
+
+    def test_rejects_ids_out_of_range(self, factory, tmp_path) -> None:
+        name, make = factory
+        t = make(tmp_path, 8)
+        bad = [-1] + ([ID_LIMITS[name]] if ID_LIMITS[name] is not None else [])
+        for b in bad:
+            with pytest.raises(IdOutOfRangeError):
+                t.put(np.array([1, b], np.int64), np.zeros((2, 8), np.uint8))
+        assert not t.contains(np.array([1], np.int64)).any()  # nothing of a refused batch landed
         t.close()
 
     def test_stats_count_hits_and_misses(self, factory, tmp_path) -> None:

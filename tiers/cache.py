@@ -23,6 +23,7 @@ import numpy as np
 
 from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros
 from embstore.config import PolicySpec
+from embstore.errors import IdOutOfRangeError
 from embstore.policies import CacheDirectory, DirectDirectory, directory_bytes
 from embstore.tiers.base import Tier
 
@@ -51,6 +52,7 @@ class CacheTier(Tier):
         super().__init__(row_bytes)
         if capacity_rows < 1:
             raise ValueError(f"a {self.kind} cache needs room for at least one row of {row_bytes} bytes")
+        self.num_rows = num_rows  # keys lie in [0, num_rows) when given
         full = num_rows is not None and capacity_rows >= num_rows
         self.directory: CacheDirectory | DirectDirectory = (
             DirectDirectory(num_rows) if full else CacheDirectory(capacity_rows, policy, key_limit=num_rows))
@@ -78,6 +80,11 @@ class CacheTier(Tier):
 
     def put(self, ids: Ids, rows: RowBytes) -> None:
         self._check_rows(ids, rows)
+        if len(ids):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or (self.num_rows is not None and hi >= self.num_rows):
+                bad = lo if lo < 0 else hi
+                raise IdOutOfRangeError(f"{self.kind} cache: id {bad} outside [0, {self.num_rows})")
         r = self.directory.access(ids)
         landed = r.slots >= 0
         landed[landed] &= self.directory.slot_key[r.slots[landed]] == ids[landed]
