@@ -30,7 +30,11 @@ which side goes first: the machine's speed drifts within a minute, so two
 long runs one after the other compare the drift as much as the stores. The
 headline ratio is total samples over total time of each side; every window's
 samples/s and the sorted window ratios are printed beside it (goal >= 0.7).
-``--precision`` also trains a small synthetic model with float32, float16 and
+``--all-in-budget`` makes the 10% pay for every DRAM byte of the tiered
+store, as ``embstore tune`` plans by default (cache rows, their directories
+and dirty bytes, every home's index; ``tune`` then picks each home's layout:
+``log`` only while the slot maps fit a quarter of the budget); the recorded
+default counts cache rows only. ``--precision`` also trains a small synthetic model with float32, float16 and
 int8 rows and prints the held-out AUC of each (the precision's AUC cost).
 """
 
@@ -52,6 +56,7 @@ import torch.nn.functional as F
 
 import embstore
 from embstore.config import StoreConfig, TableConfig
+from embstore.tiers.cache import cache_metadata_bytes
 from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, SyntheticClicks
 from embstore.training.dlrm import DLRM, dense_optimizer
@@ -133,8 +138,8 @@ def cache_fill(tables: list[Any]) -> float:
     return min(fills, default=1.0)
 
 
-def tuned_dram_rows(sizes: list[int], batch: int, budget_bytes: int,
-                    batches: int = 40) -> tuple[list[int], list[str]]:
+def tuned_dram_rows(sizes: list[int], batch: int, budget_bytes: int, batches: int = 40,
+                    all_in_budget: bool = False) -> tuple[list[int], list[str], list[str]]:
     """Per-table DRAM cache rows from ``embstore.tuning.tune`` on a trace of the same click distribution.
 
     The trace is drawn with another seed than the training data (which rows
@@ -143,6 +148,14 @@ def tuned_dram_rows(sizes: list[int], batch: int, budget_bytes: int,
     so its DRAM tier is direct-mapped and it trains in place; budget the plan
     leaves over (it never sizes a cache beyond the rows its trace saw) is
     shared by the other tables in proportion to their uncached rows.
+
+    With ``all_in_budget`` the budget pays for everything the store holds in
+    DRAM, as ``embstore tune`` plans by default: cache rows, their directories
+    and dirty bytes, and every home's index (log slot maps only while they fit
+    a quarter of the budget, else ``in_place`` homes); the left-over budget is
+    shared at the price of a row plus its directory share. Returns rows,
+    policies and each table's home layout (``tune``'s; "" where the caller
+    decides).
     """
     import numpy as np
 
@@ -159,6 +172,8 @@ def tuned_dram_rows(sizes: list[int], batch: int, budget_bytes: int,
         offs.append(offs[-1] + sum(len(x) for x in b.ids))
     trace = Trace(np.concatenate(ids), np.concatenate(table), np.array(offs, np.int64),
                   tuple(f"c{i}" for i in range(len(sizes))))
+    if all_in_budget:
+        return _refill_with_metadata(tune(trace, budget_bytes, row_bytes=ROW_BYTES, dim=DIM), sizes, budget_bytes)
     # rows only: the bench places the slot maps itself (--maps-in-budget), as in every recorded run
     plan = tune(trace, budget_bytes, row_bytes=ROW_BYTES, dim=DIM, metadata_in_budget=False)
     rows = [min(p.dram_rows, n) for p, n in zip(plan.tables, sizes)]
@@ -172,7 +187,24 @@ def tuned_dram_rows(sizes: list[int], batch: int, budget_bytes: int,
     room = sum(sizes[i] - rows[i] for i in part)                 # what is left goes to the cached tables
     for i in part:
         rows[i] += min(sizes[i] - rows[i], spare // ROW_BYTES * (sizes[i] - rows[i]) // max(room, 1))
-    return rows, [p.dram_policy for p in plan.tables]
+    return rows, [p.dram_policy for p in plan.tables], [""] * len(sizes)
+
+
+def _refill_with_metadata(plan: Any, sizes: list[int], budget_bytes: int) -> tuple[list[int], list[str], list[str]]:
+    """``tune``'s plan with every DRAM byte counted, its unspent budget (a short trace caps each cache at
+    the rows it saw) shared by the tables cached in part at a row's full price: bytes, directory share and
+    dirty byte."""
+    from embstore.tiers.cache import cache_metadata_bytes
+
+    rows = [min(p.dram_rows, n) for p, n in zip(plan.tables, sizes)]
+    policies = [p.dram_policy for p in plan.tables]
+    spare = budget_bytes - plan.used_bytes()[1]
+    part = [i for i in range(len(sizes)) if 0 < rows[i] < sizes[i]]
+    room = sum(sizes[i] - rows[i] for i in part)
+    for i in part:
+        per_row = ROW_BYTES + cache_metadata_bytes(rows[i], sizes[i], policies[i]) / rows[i]
+        rows[i] += min(sizes[i] - rows[i] - 1, int(spare * (sizes[i] - rows[i]) / max(room, 1) / per_row))
+    return rows, policies, [p.layout for p in plan.tables]
 
 
 def precision_auc(root: Path) -> dict[str, float]:
@@ -236,6 +268,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "rewrites each row's block")
     p.add_argument("--maps-in-budget", action="store_true",
                    help="count the log homes' slot maps in the 10%% DRAM budget (the caches get the rest)")
+    p.add_argument("--all-in-budget", action="store_true",
+                   help="the 10%% DRAM budget pays for everything, as `embstore tune` plans by default: cache "
+                        "rows, cache directories, home indexes; tune picks each home's layout (overrides "
+                        "--layout and --maps-in-budget; --placement tuned only)")
     p.add_argument("--precision", action="store_true", help="also compare float32/float16/int8 rows' AUC")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir; ssd needs O_DIRECT)")
     args = p.parse_args(argv)
@@ -252,25 +288,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         def all_dram(i: int, n: int) -> list[dict[str, Any]]:  # the cache holds the whole table
             return [{"kind": "dram", "capacity": n * ROW_BYTES + (1 << 16)}, {"kind": "mmap"}]
 
-        def place(budget: int) -> tuple[list[int], list[str]]:
+        def place(budget: int) -> tuple[list[int], list[str], list[str]]:
             if args.placement == "tuned":
-                return tuned_dram_rows(sizes, args.batch, budget)
-            return [max(n * budget // total_bytes, 64) for n in sizes], ["lru"] * len(sizes)  # 1/10 of each
+                return tuned_dram_rows(sizes, args.batch, budget, all_in_budget=args.all_in_budget)
+            return ([max(n * budget // total_bytes, 64) for n in sizes], ["lru"] * len(sizes),  # 1/10 of each
+                    [""] * len(sizes))
+
+        def layout_of(i: int) -> str:
+            return layouts[i] or args.layout
 
         def slot_maps(rows: list[int]) -> int:  # DRAM of the log homes' slot maps (4 bytes per row)
-            return sum(4 * n for r, n in zip(rows, sizes) if r < n) if args.layout == "log" else 0
+            return sum(4 * n for i, (r, n) in enumerate(zip(rows, sizes)) if r < n and layout_of(i) == "log")
 
-        cache_rows, policies = place(total_bytes // 10)
+        cache_rows, policies, layouts = place(total_bytes // 10)
         maps = 0
-        while args.maps_in_budget and sum(cache_rows) * ROW_BYTES + slot_maps(cache_rows) > total_bytes // 10:
+        while args.maps_in_budget and not args.all_in_budget and \
+                sum(cache_rows) * ROW_BYTES + slot_maps(cache_rows) > total_bytes // 10:
             # the caches get what the slot maps leave of the budget; a smaller budget can leave one more
             # table cached in part, whose map then counts too: repeat until caches + maps fit
             maps = max(maps + (1 << 20), slot_maps(cache_rows))
-            cache_rows, policies = place(total_bytes // 10 - maps)
+            cache_rows, policies, layouts = place(total_bytes // 10 - maps)
 
         def tiered(i: int, n: int) -> list[dict[str, Any]]:
             rows = cache_rows[i]
-            layout = args.layout if rows < n else "in_place"  # a table held whole never writes back
+            layout = layout_of(i) if rows < n else "in_place"  # a table held whole never writes back
             return ([{"kind": "dram", "capacity": rows * ROW_BYTES, "policy": policies[i]}] if rows else []) + \
                 [{"kind": "ssd", "layout": layout}]
         dram_bytes = sum(cache_rows) * ROW_BYTES
@@ -299,7 +340,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rows": sum(sizes), "table_bytes": total_bytes, "placement": args.placement,
             "start": "cold" if args.cold else "imported",
             "dram_cache_bytes": dram_bytes, "dram_cache_share": round(dram_bytes / total_bytes, 4),
-            "ssd_layout": args.layout, "ssd_slot_map_bytes": map_bytes,
+            "ssd_layout": args.layout if not args.all_in_budget else sorted(set(map(layout_of, range(len(sizes))))),
+            "ssd_slot_map_bytes": map_bytes, "all_in_budget": args.all_in_budget,
+            "dram_directory_bytes": sum(cache_metadata_bytes(r, n, pol) for r, n, pol in zip(cache_rows, sizes, policies)
+                                        if r),
             "dram_cache_plus_maps_share": round((dram_bytes + map_bytes) / total_bytes, 4),
             "tables_whole_in_dram": sum(r >= n for r, n in zip(cache_rows, sizes)), "batch": args.batch,
             "steps_per_window": steps, "windows": args.windows, "ssd_warmup_steps": ssd_warm,
