@@ -31,7 +31,9 @@ directories of device caches, which live in host memory. On DLRM-sized rows
 bytes alone would be overrun up to 2x (``metadata_in_budget=False`` counts
 rows only, as the recorded DLRM benchmark did). The ``log`` layout's slot maps
 are taken only while they fit in a quarter of the DRAM budget; otherwise every
-ssd home is ``in_place`` (a bit per row instead of 4 bytes).
+ssd home is ``in_place`` (a bit per row instead of 4 bytes). A store that will
+only serve lookups (``read_only``) writes nothing back: its homes stay
+``in_place`` and the caches get those bytes.
 
 Home: ``rocksdb`` when the id space is sparse (largest id >= 2**32, or fewer
 than 1 in 1000 of the ids up to the largest are used), else ``ssd``, in its
@@ -287,8 +289,9 @@ def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int,
 def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int = 256, dim: int | None = None,
          dtype: str = "float32", policies: Sequence[str] = POLICIES, grid_points: int = 16,
          cost: CostModel | None = None, progress: Callable[[int], object] | None = None,
-         metadata_in_budget: bool = True) -> TuneResult:
-    """Plan per-table tiers for ``trace`` within ``dram_bytes`` (+ ``device_bytes``); see module doc."""
+         metadata_in_budget: bool = True, read_only: bool = False) -> TuneResult:
+    """Plan per-table tiers for ``trace`` within ``dram_bytes`` (+ ``device_bytes``); see module doc.
+    ``read_only``: the store will only serve lookups, so no home needs a log slot map."""
     if dram_bytes < 0 or device_bytes < 0:
         raise InvalidInputError("budgets must be >= 0 bytes")
     if row_bytes < 1:
@@ -327,22 +330,32 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
             np.broadcast_to(caps * row_bytes, per.shape)
         pol, idx = cost_frontier(caps, per, by_policy)
         dram_choices.append((caps[idx], per[pol, idx], by_policy[pol, idx], pol))
-    logs = sum(home_index_bytes("ssd", "log", d[4] + 1, row_bytes) for d in data if d[7] == "ssd")
-    use_log = row_bytes <= 2048 and (not metadata_in_budget or logs <= dram_bytes // 4)
-    homes = sum(home_index_bytes(d[7], "log" if use_log else "in_place", d[4] + 1, row_bytes)
-                for d in data if d[7] != "rocksdb")
     # device caches first: their rows go to the device budget, their directories to the DRAM one
     dev_pos = allocate(curves, device_bytes, row_bytes) if device_bytes else [0] * len(curves)
     dev_meta = sum(int(costs[t][i]) - int(curves[t][0][i]) * row_bytes for t, i in enumerate(dev_pos))
-    # rocksdb homes: their floors, then their tables' slices of what is left (module doc)
     all_acc = max(1, sum(int(d[1].size) for d in data))
-    floors = sum(RocksDBTier.dram_bytes(*rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data if d[7] == "rocksdb")
-    spare = dram_bytes - homes - dev_meta - floors
-    rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
-             (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]
-    homes += sum(RocksDBTier.dram_bytes(bc, wb) for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
-    left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
-    dram_pos = allocate([(c[0], c[1]) for c in dram_choices], max(0, left), row_bytes, [c[2] for c in dram_choices])
+
+    def place(log: list[bool]) -> tuple[list[int], list[tuple[int, int]]]:
+        """DRAM grid positions and rocksdb sizes once the homes' indexes (``log[t]``: a slot map) are paid."""
+        homes = sum(home_index_bytes(d[7], "log" if lg else "in_place", d[4] + 1, row_bytes)
+                    for d, lg in zip(data, log) if d[7] != "rocksdb")
+        # rocksdb homes: their floors, then their tables' slices of what is left (module doc)
+        floors = sum(RocksDBTier.dram_bytes(*rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data
+                     if d[7] == "rocksdb")
+        spare = dram_bytes - homes - dev_meta - floors
+        rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
+                 (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]
+        homes += sum(RocksDBTier.dram_bytes(bc, wb) for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
+        left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
+        return allocate([(c[0], c[1]) for c in dram_choices], max(0, left), row_bytes,
+                        [c[2] for c in dram_choices]), rocks
+
+    # slot maps for every ssd home, or for none (per table, most write-backs per map byte first, measured
+    # no better on the DLRM shape: BENCHMARKS, session 8)
+    maps = sum(home_index_bytes("ssd", "log", d[4] + 1, row_bytes) for d in data if d[7] == "ssd")
+    use_log = row_bytes <= 2048 and not read_only and (not metadata_in_budget or maps <= dram_bytes // 4)
+    log = [use_log and d[7] == "ssd" for d in data]
+    dram_pos, rocks = place(log)
     plans = []
     for (name, k, o, uniq, max_id, per, caps, home), di, vi, (bc, wb), choice in zip(
             data, dram_pos, dev_pos, rocks, dram_choices):
@@ -358,5 +371,6 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
         # place is a read-modify-write of its 4 KiB block
         partial = max(dev_rows, dram_rows) < max_id + 1
         plans.append(TablePlan(name, acc, uniq, max_id, acc / max(1, uniq * row_bytes), home, dev_rows, dev_pol,
-                               dram_rows, dram_pol, res, "log" if use_log and partial else "in_place", bc, wb))
+                               dram_rows, dram_pol, res, "log" if log[len(plans)] and partial else "in_place",
+                               bc, wb))
     return TuneResult(plans, row_bytes, dim, dtype, int(dram_bytes), int(device_bytes), trace.num_batches, cost)

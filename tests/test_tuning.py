@@ -78,6 +78,18 @@ def test_with_metadata_in_the_budget_policies_compete_at_equal_bytes(trace_path)
     assert hits[("lru", "lfu+tinylfu")] > hits[("lfu+tinylfu",)] + 0.02
 
 
+def test_a_read_only_store_pays_for_no_slot_map(trace_path, capsys, tmp_path):
+    tr = traces.load(trace_path)
+    written = tune(tr, 400 << 10, row_bytes=16)
+    served = tune(tr, 400 << 10, row_bytes=16, read_only=True)
+    assert any(p.layout == "log" for p in written.tables) and all(p.layout == "in_place" for p in served.tables)
+    assert served.dram_breakdown()["home_indexes"] < written.dram_breakdown()["home_indexes"]
+    assert served.totals()["dram_hit_ratio"] >= written.totals()["dram_hit_ratio"]
+    out = tmp_path / "s.toml"
+    assert main(["tune", str(trace_path), "--dram", "400KiB", "--dim", "4", "--read-only", "--out", str(out)]) == 0
+    assert 'layout = "log"' not in out.read_text()
+
+
 def _store_dram(store) -> dict[str, int]:
     """What an opened store really holds in host memory, by the parts ``dram_breakdown`` names; a
     RocksDB home by what RocksDB itself reports: its block cache's capacity and the memtable size and

@@ -94,6 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--dtype", choices=[d.value for d in RowDType], default="float32")
     t.add_argument("--policy", type=_policies, default=list(POLICIES), help="candidate policies")
     t.add_argument("--batch-size", type=positive_int, default=None, help="Meta's torch format: samples per batch")
+    t.add_argument("--read-only", action="store_true",
+                   help="the store will only serve lookups: evictions write nothing back, so no ssd home needs "
+                        "the log layout's slot map (4 bytes a row) and its DRAM goes to the caches")
     t.add_argument("--out", metavar="store.toml", help="write the recommended config here")
     t.add_argument("--json", action="store_true", help="print one JSON object")
     t.set_defaults(func=cmd_tune)
@@ -231,7 +234,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cost = costmodel.default_model()
     with progress_bar(total=trace.num_tables, desc="tune", unit="table", leave=False) as bar:
         res = tune(trace, args.dram, args.device, row_bytes=row_bytes, dim=dim, dtype=args.dtype,
-                   policies=args.policy, cost=cost, progress=bar.update)
+                   policies=args.policy, cost=cost, progress=bar.update, read_only=args.read_only)
     cfg = res.config()
     if args.out:
         atomic_write(args.out, cfg.to_toml().encode())
