@@ -335,27 +335,20 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
     dev_meta = sum(int(costs[t][i]) - int(curves[t][0][i]) * row_bytes for t, i in enumerate(dev_pos))
     all_acc = max(1, sum(int(d[1].size) for d in data))
 
-    def place(log: list[bool]) -> tuple[list[int], list[tuple[int, int]]]:
-        """DRAM grid positions and rocksdb sizes once the homes' indexes (``log[t]``: a slot map) are paid."""
-        homes = sum(home_index_bytes(d[7], "log" if lg else "in_place", d[4] + 1, row_bytes)
-                    for d, lg in zip(data, log) if d[7] != "rocksdb")
-        # rocksdb homes: their floors, then their tables' slices of what is left (module doc)
-        floors = sum(RocksDBTier.dram_bytes(*rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data
-                     if d[7] == "rocksdb")
-        spare = dram_bytes - homes - dev_meta - floors
-        rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
-                 (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]
-        homes += sum(RocksDBTier.dram_bytes(bc, wb) for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
-        left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
-        return allocate([(c[0], c[1]) for c in dram_choices], max(0, left), row_bytes,
-                        [c[2] for c in dram_choices]), rocks
-
     # slot maps for every ssd home, or for none (per table, most write-backs per map byte first, measured
     # no better on the DLRM shape: BENCHMARKS, session 8)
     maps = sum(home_index_bytes("ssd", "log", d[4] + 1, row_bytes) for d in data if d[7] == "ssd")
     use_log = row_bytes <= 2048 and not read_only and (not metadata_in_budget or maps <= dram_bytes // 4)
-    log = [use_log and d[7] == "ssd" for d in data]
-    dram_pos, rocks = place(log)
+    homes = sum(home_index_bytes(d[7], "log" if use_log else "in_place", d[4] + 1, row_bytes)
+                for d in data if d[7] != "rocksdb")
+    # rocksdb homes: their floors, then their tables' slices of what is left (module doc)
+    floors = sum(RocksDBTier.dram_bytes(*rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data if d[7] == "rocksdb")
+    spare = dram_bytes - homes - dev_meta - floors
+    rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
+             (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]
+    homes += sum(RocksDBTier.dram_bytes(bc, wb) for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
+    left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
+    dram_pos = allocate([(c[0], c[1]) for c in dram_choices], max(0, left), row_bytes, [c[2] for c in dram_choices])
     plans = []
     for (name, k, o, uniq, max_id, per, caps, home), di, vi, (bc, wb), choice in zip(
             data, dram_pos, dev_pos, rocks, dram_choices):
@@ -371,6 +364,5 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
         # place is a read-modify-write of its 4 KiB block
         partial = max(dev_rows, dram_rows) < max_id + 1
         plans.append(TablePlan(name, acc, uniq, max_id, acc / max(1, uniq * row_bytes), home, dev_rows, dev_pol,
-                               dram_rows, dram_pol, res, "log" if log[len(plans)] and partial else "in_place",
-                               bc, wb))
+                               dram_rows, dram_pol, res, "log" if use_log and partial else "in_place", bc, wb))
     return TuneResult(plans, row_bytes, dim, dtype, int(dram_bytes), int(device_bytes), trace.num_batches, cost)
