@@ -15,7 +15,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from embstore.errors import InvalidInputError, InvalidOffsetsError, InvalidRowsError
+from embstore.errors import IdOutOfRangeError, InvalidInputError, InvalidOffsetsError, InvalidRowsError
 
 Ids = npt.NDArray[np.int64]  # (n,) row or raw ids
 Mask = npt.NDArray[np.bool_]  # (n,) found / present
@@ -69,6 +69,16 @@ def as_ids(ids: Any, what: str = "ids") -> tuple[Ids, bool]:
         else:
             raise InvalidInputError(f"{what} must have dtype int64, got {arr.dtype}")
     return np.ascontiguousarray(arr), was_torch
+
+
+def check_id_range(ids: Ids, limit: int | None, what: str, hint: str = "") -> None:
+    """IdOutOfRangeError naming ``what`` unless every id lies in ``[0, limit)`` (``limit`` None: any id >= 0)."""
+    if not len(ids):
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (limit is not None and hi >= limit):
+        bad = lo if lo < 0 else hi
+        raise IdOutOfRangeError(f"{what}: id {bad} outside [0, {limit if limit is not None else '2**63'}){hint}")
 
 
 def as_offsets(offsets: Any, num_ids: int) -> Offsets:

@@ -14,9 +14,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from embstore.arrays import Ids, as_ids, as_offsets, as_rows
+from embstore.arrays import Ids, as_ids, as_offsets, as_rows, check_id_range
 from embstore.config import RowDType, TableConfig
-from embstore.errors import IdOutOfRangeError, InvalidInputError, StoreClosedError
+from embstore.errors import InvalidInputError, StoreClosedError
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import gather_rows, kernel_threads, pool, pool_rows, unique_inverse, unique_last
 from embstore.policies import DirectDirectory
@@ -55,12 +55,8 @@ class Table:
         fall outside the table."""
         if self.mapper is not None:
             return self.mapper(ids)
-        if len(ids):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.config.num_embeddings:
-                bad = lo if lo < 0 else hi
-                raise IdOutOfRangeError(f"table {self.name!r}: id {bad} outside [0, {self.config.num_embeddings}); "
-                                        "give the table a hash (hash = { kind = 'mod' }) to accept any id")
+        check_id_range(ids, self.config.num_embeddings, f"table {self.name!r}",
+                       "; give the table a hash (hash = { kind = 'mod' }) to accept any id")
         return ids
 
     def _check_open(self) -> None:

@@ -90,6 +90,11 @@ def test_a_read_only_store_pays_for_no_slot_map(trace_path, capsys, tmp_path):
     assert 'layout = "log"' not in out.read_text()
 
 
+def _option(text: str, name: str) -> int:
+    """An integer option of a RocksDB OPTIONS file."""
+    return int(re.search(rf"^\s*{name}=(\d+)", text, re.M).group(1))
+
+
 def _store_dram(store) -> dict[str, int]:
     """What an opened store really holds in host memory, by the parts ``dram_breakdown`` names; a
     RocksDB home by what RocksDB itself reports: its block cache's capacity and the memtable size and
@@ -106,8 +111,7 @@ def _store_dram(store) -> dict[str, int]:
             rocks += int(h.raw.property_int_value("rocksdb.block-cache-capacity"))
             options = max(Path(h.path).glob("OPTIONS-*"), key=lambda f: int(f.name.split("-")[1]))
             text = options.read_text()
-            option = lambda name: int(re.search(rf"^\s*{name}=(\d+)", text, re.M).group(1))  # noqa: E731
-            rocks += option("write_buffer_size") * option("max_write_buffer_number")
+            rocks += _option(text, "write_buffer_size") * _option(text, "max_write_buffer_number")
     return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home, "rocksdb_buffers": rocks}
 
 

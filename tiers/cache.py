@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros
+from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, check_id_range
 from embstore.config import PolicySpec
-from embstore.errors import IdOutOfRangeError
 from embstore.policies import CacheDirectory, DirectDirectory, directory_bytes
 from embstore.tiers.base import Tier
 
@@ -80,11 +79,7 @@ class CacheTier(Tier):
 
     def put(self, ids: Ids, rows: RowBytes) -> None:
         self._check_rows(ids, rows)
-        if len(ids):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or (self.num_rows is not None and hi >= self.num_rows):
-                bad = lo if lo < 0 else hi
-                raise IdOutOfRangeError(f"{self.kind} cache: id {bad} outside [0, {self.num_rows})")
+        check_id_range(ids, self.num_rows, f"{self.kind} cache")
         r = self.directory.access(ids)
         landed = r.slots >= 0
         landed[landed] &= self.directory.slot_key[r.slots[landed]] == ids[landed]

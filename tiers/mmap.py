@@ -61,10 +61,9 @@ from typing import Any
 
 import numpy as np
 
-from embstore.arrays import Ids, Mask, RowBytes, as_ids
+from embstore.arrays import Ids, Mask, RowBytes, as_ids, check_id_range
 from embstore.errors import (
     CorruptStoreError,
-    IdOutOfRangeError,
     StoreClosedError,
     TierIOError,
     tier_io_error,
@@ -334,11 +333,7 @@ class MmapTier(Tier):
         if self.closed:
             raise StoreClosedError(f"mmap tier at {self.path} is closed")
         arr, _ = as_ids(ids)
-        if arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.num_rows:
-                bad = lo if lo < 0 else hi
-                raise IdOutOfRangeError(f"mmap tier id {bad} outside [0, {self.num_rows})")
+        check_id_range(arr, self.num_rows, "mmap tier")
         return arr
 
     def get(self, ids: Ids) -> tuple[RowBytes, Mask]:

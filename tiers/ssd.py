@@ -95,8 +95,8 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids
-from embstore.errors import (CorruptStoreError, IdOutOfRangeError, InvalidRowsError, StoreClosedError,
+from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids, check_id_range
+from embstore.errors import (CorruptStoreError, InvalidRowsError, StoreClosedError,
                              TierIOError, tier_io_error)
 from embstore.tiers.base import Tier
 from embstore.tiers.delta import RECORD_HEADER, encode_record, read_records
@@ -808,11 +808,7 @@ class SSDTier(Tier):
 
     def _ids(self, ids: Any) -> Ids:
         arr, _ = as_ids(ids)
-        if len(arr):
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.num_rows:
-                bad = lo if lo < 0 else hi
-                raise IdOutOfRangeError(f"id {bad} is outside [0, {self.num_rows}) of the ssd tier")
+        check_id_range(arr, self.num_rows, "ssd tier")
         return arr
 
     def _check_rows(self, ids: Ids, rows: Any) -> None:

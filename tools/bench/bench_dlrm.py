@@ -194,8 +194,6 @@ def _refill_with_metadata(plan: Any, sizes: list[int], budget_bytes: int) -> tup
     """``tune``'s plan with every DRAM byte counted, its unspent budget (a short trace caps each cache at
     the rows it saw) shared by the tables cached in part at a row's full price: bytes, directory share and
     dirty byte."""
-    from embstore.tiers.cache import cache_metadata_bytes
-
     rows = [min(p.dram_rows, n) for p, n in zip(plan.tables, sizes)]
     policies = [p.dram_policy for p in plan.tables]
     spare = budget_bytes - plan.used_bytes()[1]
