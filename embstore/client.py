@@ -34,10 +34,11 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
-from embstore.errors import EmbstoreError, InvalidInputError
+from embstore.errors import EmbstoreError, InvalidInputError, InvalidRowsError
 
 BINARY = "application/octet-stream"
 SHAPE_HEADER = "X-Embedding-Shape"
+I64_MAX = np.iinfo(np.int64).max
 
 
 class ServerError(EmbstoreError):
@@ -50,13 +51,34 @@ class ServerError(EmbstoreError):
         self.message = message
 
 
+def _int64(arr: np.ndarray, what: str) -> np.ndarray:
+    """An integer array as int64; unsigned values beyond int64 are refused, not wrapped to negatives."""
+    if arr.dtype.kind == "u" and arr.size and arr.max() > I64_MAX:
+        raise InvalidInputError(f"{what} must be int64 values; {int(arr.max())} is above {I64_MAX}")
+    return arr.astype(np.int64, copy=False)
+
+
 def _ids(ids: Any, what: str = "ids") -> np.ndarray:
     arr = np.asarray(ids)
     if arr.size == 0:
         return np.zeros(0, np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidInputError(f"{what} must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
-    return arr.astype(np.int64, copy=False)
+    return _int64(arr, what)
+
+
+def _finite(values: Any, dtype: type, what: str, error: type[InvalidInputError]) -> np.ndarray:
+    """``values`` as a ``dtype`` array of finite numbers, else ``error`` (JSON cannot carry NaN or inf,
+    and the server refuses them anyway)."""
+    try:
+        with np.errstate(over="ignore"):
+            arr = np.asarray(values, dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise error(f"{what} must be numbers: {exc}") from None
+    if arr.size and not np.isfinite(arr).all():
+        raise error(f"{what} must be finite {np.dtype(dtype).name} values; NaN, inf or a value beyond "
+                    f"{np.dtype(dtype).name}'s range found")
+    return arr
 
 
 def _decode(resp: httpx.Response) -> np.ndarray:
@@ -83,7 +105,7 @@ def _bag_lists(table: str, value: Any) -> list[list[int]]:
         if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
             raise InvalidInputError(f"sparse[{table!r}][{i}] must be a list of integer ids, got {arr.dtype} "
                                     f"of shape {arr.shape}")
-        out.append(arr.astype(np.int64).tolist() if arr.size else [])
+        out.append(_int64(arr, f"sparse[{table!r}][{i}]").tolist() if arr.size else [])
     return out
 
 
@@ -92,7 +114,8 @@ class LookupClient:
 
     def __init__(self, base_url: str, token: str | None = None, *, binary: bool = True, timeout: float = 30.0,
                  transport: httpx.BaseTransport | None = None) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        # UTF-8 bytes: the server reads token files as UTF-8 and compares bytes; httpx would encode a str as ASCII
+        headers = {"Authorization": f"Bearer {token}".encode()} if token is not None else {}
         self.binary = binary
         # drop idle connections before the server does (`embstore serve` keeps them 30 s): reusing one the
         # server is closing at that instant fails with a connection reset instead of an answer
@@ -154,7 +177,7 @@ class LookupClient:
         """Overwrite the rows of ``ids`` (float rows of shape (len(ids), dim)). Returns once the server
         has made them durable (logged and synced), unless it runs with ``--no-durable-writes``."""
         arr = _ids(ids)
-        values = np.asarray(rows, dtype=np.float32)
+        values = _finite(rows, np.float32, "rows", InvalidRowsError)
         self._request("PUT", self._table(table, "rows"), json={"ids": arr.tolist(), "embeddings": values.tolist()})
 
     def models(self) -> list[dict[str, Any]]:
@@ -164,7 +187,7 @@ class LookupClient:
     def predict(self, model: str, dense: Any, sparse: Mapping[str, Any]) -> np.ndarray:
         """Click probabilities (float32, one per sample) of ``model`` on ``dense`` (n, features) and
         ``sparse`` {table: [ids of sample 0, ids of sample 1, ...]} (see :func:`bags`)."""
-        rows = np.asarray(dense, dtype=np.float64)
+        rows = _finite(dense, np.float64, "dense", InvalidInputError)
         if rows.ndim != 2:
             raise InvalidInputError(f"dense must be 2-D (samples, features), got shape {rows.shape}")
         body = {"dense": rows.tolist(), "sparse": {str(t): _bag_lists(t, v) for t, v in sparse.items()}}

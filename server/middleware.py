@@ -6,7 +6,8 @@ Python in all).
 
 - Metrics: every request is counted and timed by route template
   (``/v1/tables/{name}/lookup``), never by raw path, so unknown paths cannot
-  grow the label set; requests that match no route count as ``unmatched``.
+  grow the label set; requests that match no route count as ``unmatched``, and
+  methods other than the standard ones as ``OTHER`` (HTTP allows any token).
 - Body size: refused from ``Content-Length`` before it is read; a body without
   one (chunked) is counted while it streams in, and the overflow raises
   :class:`ApiError` inside the route, which the exception handlers turn into
@@ -28,6 +29,8 @@ from embstore.server.errors import ApiError
 from embstore.server.metrics import Metrics
 
 log = logging.getLogger("embstore.server")
+
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
 
 
 class RequestMiddleware:
@@ -80,7 +83,8 @@ class RequestMiddleware:
         finally:
             self.metrics.in_flight.dec()
             route = scope.get("route")
-            self.metrics.observe(scope["method"], getattr(route, "path", None) or "unmatched", status,
+            method = scope["method"] if scope["method"] in METHODS else "OTHER"
+            self.metrics.observe(method, getattr(route, "path", None) or "unmatched", status,
                                  time.perf_counter() - start)
 
     def _counting(self, receive: Any) -> Any:

@@ -132,13 +132,43 @@ def is_binary(request: Request) -> bool:
     return request.headers.get("content-type", "").split(";")[0].strip().lower() == BINARY
 
 
+def _quality(params: list[str]) -> float:
+    """The ``q`` of one ``Accept`` media range (1 when absent, 0 when unreadable)."""
+    for p in params:
+        key, _, value = p.partition("=")
+        if key.strip() == "q":
+            try:
+                q = float(value)
+            except ValueError:
+                return 0.0
+            return q if 0.0 <= q <= 1.0 else 0.0
+    return 1.0
+
+
 def wants_binary(request: Request) -> bool:
-    return BINARY in request.headers.get("accept", "").lower()
+    """Whether ``Accept`` asks for binary rows: ``application/octet-stream`` listed with ``q > 0`` and
+    not below ``application/json`` (RFC 9110 quality values; a tie picks binary; wildcards and no
+    ``Accept`` give JSON)."""
+    accept = request.headers.get("accept", "").lower()
+    if BINARY not in accept:  # the common cases cost one substring test
+        return False
+    q_bin = q_json = 0.0
+    for item in accept.split(","):
+        media, *params = item.split(";")
+        media = media.strip()
+        if media == BINARY:
+            q_bin = max(q_bin, _quality(params))
+        elif media == "application/json":
+            q_json = max(q_json, _quality(params))
+    return q_bin > 0 and q_bin >= q_json
 
 
-def _check_count(n: int, max_ids: int) -> None:
+def _check_count(n: int, max_ids: int, what: str = "ids") -> None:
+    """413 beyond ``max_ids``. Bags and samples are held to it too: each is a row of the answer (an
+    empty bag costs two bytes of JSON but ``4 * dim`` of answer), so unbounded they let a small body
+    ask for gigabytes."""
     if n > max_ids:
-        raise ApiError(413, f"{n} ids in one request; this server allows at most {max_ids} "
+        raise ApiError(413, f"{n} {what} in one request; this server allows at most {max_ids} "
                             "(split the request)")
 
 
@@ -172,12 +202,14 @@ def parse_pooled(body: bytes, binary: bool, max_ids: int, num_bags: int | None,
             raise ApiError(400, f"malformed binary body: num_bags={num_bags} needs {num_bags + 1} offsets, "
                                 f"but the body holds only {len(values)} int64 values")
         _check_count(len(values) - num_bags - 1, max_ids)
+        _check_count(num_bags, max_ids, "bags")
         return values[num_bags + 1:], values[:num_bags + 1], mode or "sum"
     if num_bags is not None:
         raise ApiError(400, "num_bags is a query parameter of the binary protocol only; "
                             "JSON bodies carry their offsets")
     req = PooledRequest.model_validate_json(body)
     _check_count(len(req.ids), max_ids)
+    _check_count(len(req.offsets) - 1, max_ids, "bags")
     if mode is not None and mode != req.mode:
         raise ApiError(400, f"mode given twice: {mode!r} in the query and {req.mode!r} in the body")
     return np.array(req.ids, dtype=np.int64), np.array(req.offsets, dtype=np.int64), req.mode
@@ -214,11 +246,12 @@ def parse_predict(body: bytes, max_ids: int, tables: tuple[str, ...], width: int
     Tables come back in the model's order ``tables``. Structure errors (a table
     missing or unknown, bag lists whose sample count differs from ``dense``) are
     400; dense rows of the wrong width or non-finite values are 422; more ids
-    than ``max_ids`` (over all tables) is 413.
+    than ``max_ids`` (over all tables), or more samples, is 413.
     """
     req = PredictRequest.model_validate_json(body)
     total = sum(len(bag) for bags in req.sparse.values() for bag in bags)
     _check_count(total, max_ids)
+    _check_count(len(req.dense), max_ids, "samples")
     missing = [t for t in tables if t not in req.sparse]
     unknown = sorted(set(req.sparse) - set(tables))
     if missing or unknown:

@@ -21,7 +21,9 @@ class ServerSettings:
     - ``store``: the store directory to serve (opened in the app's lifespan).
     - ``token``: when set, ``PUT .../rows`` and ``POST /v1/admin/reload`` need
       ``Authorization: Bearer TOKEN``.
-    - ``max_ids``: ids per request (lookup, pooled, rows); more is ``413``.
+    - ``max_ids``: ids per request (lookup, pooled, rows, predict), and also bags
+      of a pooled request and samples of a predict request (each is a row of the
+      answer); more is ``413``.
     - ``max_body_bytes``: request body size; more is ``413``.
     - ``request_timeout``: seconds before a request is answered ``504`` (0 = none).
     - ``durable_writes``: ``PUT .../rows`` answers ``204`` only once the rows are

@@ -113,6 +113,45 @@ def test_client_side_validation():
             c.lookup_pooled("t", [1], [])
 
 
+@pytest.mark.parametrize("call,error,words", [
+    # unsigned ids beyond int64 would wrap to negative ids (another row of a hashed table)
+    (lambda c: c.lookup("t", np.array([2**64 - 1], np.uint64)), embstore.InvalidInputError, "above"),
+    (lambda c: c.lookup("t", [2**63]), embstore.InvalidInputError, "above"),
+    (lambda c: c.lookup_pooled("t", [1], np.array([0, 2**63], np.uint64)), embstore.InvalidInputError, "offsets"),
+    (lambda c: c.update("t", np.array([2**63], np.uint64), np.zeros((1, DIM))), embstore.InvalidInputError,
+     "above"),
+    (lambda c: c.predict("m", np.zeros((1, 2)), {"a": [np.array([2**63], np.uint64)]}),
+     embstore.InvalidInputError, "sparse['a'][0]"),
+    # rows and dense features JSON cannot carry: typed errors, not json's or numpy's ValueError
+    (lambda c: c.update("t", [1], np.full((1, DIM), np.nan)), embstore.InvalidRowsError, "finite"),
+    (lambda c: c.update("t", [1], np.full((1, DIM), np.inf)), embstore.InvalidRowsError, "finite"),
+    (lambda c: c.update("t", [1], np.full((1, DIM), 1e300)), embstore.InvalidRowsError, "finite"),
+    (lambda c: c.update("t", [1], [["a"] * DIM]), embstore.InvalidRowsError, "numbers"),
+    (lambda c: c.predict("m", [[float("nan"), 0.0]], {"a": [[1]]}), embstore.InvalidInputError, "finite"),
+    (lambda c: c.predict("m", [["x", 0.0]], {"a": [[1]]}), embstore.InvalidInputError, "numbers"),
+])
+def test_client_refuses_what_it_cannot_send_faithfully(call, error, words):
+    with LookupClient("http://127.0.0.1:1") as c, pytest.raises(error) as info:
+        call(c)
+    assert words in str(info.value)
+
+
+def test_a_non_ascii_token_read_from_a_file_works(tmp_path):
+    """The server takes any non-blank UTF-8 token file; the client sends the same bytes."""
+    expected = make_store(tmp_path / "s")
+    (tmp_path / "token").write_text("jeton-d\u00e9j\u00e0-\u2713\n", encoding="utf-8")
+    token = ServerSettings.read_token(tmp_path / "token")
+    with ServerThread(create_app(ServerSettings(store=tmp_path / "s", token=token))) as srv:
+        with LookupClient(srv.url, token=token) as c:
+            c.update("user_id", [4], np.full((1, DIM), 2.0))
+            assert (c.lookup("user_id", [4]) == 2.0).all()
+        with LookupClient(srv.url, token="jeton-deja") as c, pytest.raises(ServerError) as info:
+            c.update("user_id", [4], np.zeros((1, DIM)))
+        assert info.value.status_code == 401
+        with LookupClient(srv.url) as c:
+            assert same_bits(c.lookup("user_id", [5]), expected["rows"][[5]])
+
+
 def test_connection_errors_are_httpx_errors():
     with LookupClient(f"http://127.0.0.1:{free_port()}", timeout=5) as c, pytest.raises(httpx.ConnectError):
         c.health()
@@ -188,6 +227,17 @@ def test_concurrent_writes_share_log_syncs(tmp_path):
         assert 1 <= commit.syncs < 64
     with embstore.open(tmp_path / "s") as store:
         assert (store["user_id"].lookup(np.arange(64, dtype=np.int64)) == np.arange(64)[:, None]).all()
+
+
+@pytest.mark.parametrize("value", ["200", "-1", "nan", "1ms"])
+def test_serve_refuses_a_batch_wait_outside_its_range_in_milliseconds(tmp_path, capsys, value):
+    from embstore.cli import main
+
+    make_store(tmp_path / "s")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path / "s"), "--port", "0", "--batch-wait-ms", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--batch-wait-ms" in err and "milliseconds" in err and "number of seconds" not in err
 
 
 def test_embstore_serve_command_end_to_end(tmp_path):

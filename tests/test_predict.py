@@ -227,6 +227,17 @@ def test_more_ids_than_the_limit_is_413(server, trained):
     assert err.value.status_code == 413 and f"at most {MAX_IDS}" in err.value.message
 
 
+def test_more_samples_than_the_limit_is_413(server, trained):
+    """Samples with empty bags carry no ids, yet each costs a forward pass and a score: held to the limit."""
+    http, client = server
+    n = MAX_IDS + 1
+    with pytest.raises(ServerError) as err:
+        client.predict("dlrm", np.zeros((n, NUM_DENSE)), {t: [[]] * n for t in TABLES})
+    assert err.value.status_code == 413 and f"{n} samples" in err.value.message
+    scores = client.predict("dlrm", np.zeros((MAX_IDS, NUM_DENSE)), {t: [[]] * MAX_IDS for t in TABLES})
+    assert scores.shape == (MAX_IDS,) and np.isfinite(scores).all()
+
+
 def test_client_checks_its_own_arguments(server):
     _, client = server
     with pytest.raises(embstore.InvalidInputError, match="dense must be 2-D"):

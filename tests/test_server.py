@@ -181,6 +181,10 @@ ERROR_CASES = [
                                      "params": {"num_bags": -1}}, 400, "num_bags"),
     ("post", "/v1/tables/t/pooled", {"content": b"\0" * 16, "headers": {"Content-Type": BINARY},
                                      "params": {"num_bags": 1, "mode": "max"}}, 400, "mode"),
+    # every bag is an answer row, like every id of a lookup: a body of empty bags is held to the id limit
+    ("post", "/v1/tables/t/pooled", {"json": {"ids": [], "offsets": [0] * 5002}}, 413, "5001 bags"),
+    ("post", "/v1/tables/t/pooled", {"content": b"\0" * 8 * 5002, "headers": {"Content-Type": BINARY},
+                                     "params": {"num_bags": 5001}}, 413, "at most 5000"),
     ("put", "/v1/tables/t/rows", {"json": {"ids": [1]}}, 401, "bearer token"),
     ("put", "/v1/tables/nope/rows", {"json": {"ids": [1], "embeddings": [[0.0] * DIM]}, "headers": AUTH}, 404,
      "no table"),
@@ -216,6 +220,28 @@ def test_error_status_and_message(served, method, path, kwargs, status, words):
         assert resp.headers["WWW-Authenticate"] == "Bearer"
     # nothing was written by a rejected request
     assert same_bits(rows_of(post_bin(client, "/v1/tables/t/lookup", ALL)), expected["t"])
+
+
+def test_as_many_bags_as_the_id_limit_are_answered(served):
+    client, _, _ = served
+    got = rows_of(client.post("/v1/tables/t/pooled", json={"ids": [], "offsets": [0] * 5001}))
+    assert got.shape == (5000, DIM) and not got.any()
+    got = rows_of(post_bin(client, "/v1/tables/t/pooled", np.zeros(5001, np.int64), num_bags=5000))
+    assert got.shape == (5000, DIM) and not got.any()
+
+
+@pytest.mark.parametrize("accept,binary", [
+    (BINARY, True), ("application/json", False), ("*/*", False), ("", False),
+    (f"application/json, {BINARY}", True), (f"{BINARY};q=0.9, application/json;q=0.8", True),
+    (f"{BINARY};q=0, application/json", False), (f"{BINARY}; q=0.0", False),
+    (f"application/json;q=1, {BINARY};q=0.5", False), ("Application/Octet-Stream", True),
+])
+def test_accept_header_chooses_the_answer_format(served, accept, binary):
+    """``Accept`` with quality values (RFC 9110): ``q=0`` refuses a format, the higher q wins."""
+    client, expected, _ = served
+    resp = client.post("/v1/tables/t/lookup", json={"ids": [3, 4]}, headers={"Accept": accept})
+    assert resp.headers["content-type"].startswith(BINARY if binary else "application/json")
+    assert same_bits(rows_of(resp), expected["t"][[3, 4]])
 
 
 def test_chunked_body_over_the_limit_is_413(served):
@@ -649,6 +675,17 @@ def test_metrics_count_requests_latency_and_tiers(served):
             assert f'embstore_tier_{name}_total{{table="t",tier="{tier}"}}' in text
     assert 'embstore_pooled_cache_hits_total{table="t"}' in text
     assert 'embstore_tier_resident_rows{table="t",tier="dram"}' in text
+
+
+def test_metrics_labels_stay_bounded_whatever_the_method(served):
+    """A made-up HTTP method must not create a new series per request (label sets grow forever)."""
+    client, _, _ = served
+    for i in range(3):
+        assert client.request(f"BREW{i}", "/healthz").status_code == 405
+    text = client.get("/metrics").text
+    assert "BREW" not in text
+    assert 'embstore_http_requests_total{endpoint="/healthz",method="OTHER",status="405"} 3.0' in text
+    assert "BREW" not in client.get("/").text
 
 
 def _chromium() -> str | None:

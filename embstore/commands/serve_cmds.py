@@ -12,6 +12,18 @@ from embstore.store import MANIFEST_FILE
 
 
 KEEP_ALIVE_S = 30  # idle keep-alive connections live this long; clients should drop theirs sooner
+MAX_BATCH_WAIT_MS = 100.0  # ServerSettings.batch_wait allows at most 0.1 s
+
+
+def batch_wait_ms(text: str) -> float:
+    """``--batch-wait-ms``: refused in the flag's own unit (milliseconds), not as the setting's seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    if not 0 <= value <= MAX_BATCH_WAIT_MS:
+        raise argparse.ArgumentTypeError(f"expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}], got {text!r}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="file holding a bearer token; when given, writes and reloads need "
                         "'Authorization: Bearer TOKEN'")
     p.add_argument("--max-ids", type=positive_int, default=1_000_000,
-                   help="ids per request; more is answered 413 (default 1000000)")
+                   help="ids per request (also bags per pooled request and samples per predict request); "
+                        "more is answered 413 (default 1000000)")
     p.add_argument("--max-body-bytes", type=positive_int, default=64 << 20,
                    help="request body bytes; more is answered 413 (default 64 MiB)")
     p.add_argument("--request-timeout", type=nonneg_seconds, default=30.0,
@@ -43,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds between flushes of written rows into the tiers (each also empties the write-ahead "
                         "log, and rewrites the written tables' home indexes); 0 = only on shutdown and reload, the "
                         "log growing until then; with --no-durable-writes, the window a crash can lose (default 30)")
-    p.add_argument("--batch-wait-ms", type=nonneg_seconds, default=0.0,
+    p.add_argument("--batch-wait-ms", type=batch_wait_ms, default=0.0,
                    help="milliseconds an idle table waits for more lookups to read together; 0 = coalesce only "
                         "what queues up while a read runs (default 0, at most 100)")
     p.add_argument("--no-batching", action="store_true", help="read every lookup request on its own")
