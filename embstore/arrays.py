@@ -54,7 +54,12 @@ def _to_numpy(x: Any, what: str) -> tuple[np.ndarray, bool]:
     except ImportError:  # pragma: no cover - torch is a dependency
         torch = None
     if torch is not None and isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy(), True
+        if x.dtype == torch.bfloat16:  # numpy has no bfloat16: widen it (exactly) rather than fail in torch
+            x = x.float()
+        try:
+            return x.detach().cpu().numpy(), True
+        except TypeError as exc:  # e.g. float8, complex32: dtypes numpy cannot hold
+            raise InvalidInputError(f"{what} has torch dtype {x.dtype}, which this API does not take") from exc
     raise InvalidInputError(f"{what} must be a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
 
 

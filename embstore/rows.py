@@ -24,7 +24,12 @@ import numpy as np
 
 from embstore.arrays import Ids, RowBytes, Rows
 from embstore.config import InitConfig, InitKind, RowDType
+from embstore.errors import InvalidRowsError
 from embstore.kernels import kernel_threads
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_SAFE_SCALE, _SAFE_BIAS = 1e36, 1e37  # int8 rows within these decode in float32: 255 * 1e36 + 1e37 < 3.4e38
+FLOAT16_LIMIT = 65520.0  # the smallest magnitude that float16 rounds to inf (its largest finite value is 65504)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,15 @@ class RowFormat:
     @property
     def row_bytes(self) -> int:
         return self.embedding_bytes + 4 * self.state_dim
+
+    def check(self, rows: Rows) -> None:
+        """InvalidRowsError unless every value of finite float32 ``rows`` fits this format: a float16
+        table would otherwise store a value beyond +-65504 as inf (int8 takes any finite row)."""
+        if self.dtype is RowDType.FLOAT16 and rows.size:
+            if float(np.abs(rows).max()) >= FLOAT16_LIMIT:
+                row, col = np.argwhere(np.abs(rows) >= FLOAT16_LIMIT)[0]
+                raise InvalidRowsError(f"rows must fit float16 (|x| <= 65504) in this float16 table; "
+                                       f"row {row} holds {float(rows[row, col]):g}")
 
     def encode(self, rows: Rows, state: np.ndarray | None = None) -> RowBytes:
         """float32 (n, dim) [+ float32 (n, state_dim)] -> uint8 (n, row_bytes)."""
@@ -96,11 +110,19 @@ def _encode_int8(rows: np.ndarray, out: np.ndarray) -> None:
             v = rows[i, j]
             lo = min(lo, v)
             hi = max(hi, v)
-        scale = np.float32((hi - lo) / 255.0)
-        inv = np.float32(1.0 / scale) if scale > 0 else np.float32(0.0)
-        for j in range(dim):
-            q = np.float32(np.round((rows[i, j] - lo) * inv))
-            out[i, j] = np.uint8(min(max(q, 0.0), 255.0))
+        spread = hi - lo
+        if spread < _F32_MAX:  # the common case, in float32
+            scale = np.float32(spread / 255.0)
+            inv = np.float32(1.0 / scale) if scale > 0 else np.float32(0.0)
+            for j in range(dim):
+                q = np.float32(np.round((rows[i, j] - lo) * inv))
+                out[i, j] = np.uint8(min(max(q, 0.0), 255.0))
+        else:  # the spread of a finite row overflows float32 (it would be inf): quantize in float64
+            scale = np.float32((np.float64(hi) - np.float64(lo)) / 255.0)
+            inv64 = 1.0 / np.float64(scale)
+            for j in range(dim):
+                q64 = np.round((np.float64(rows[i, j]) - np.float64(lo)) * inv64)
+                out[i, j] = np.uint8(min(max(q64, 0.0), 255.0))
         hdr = np.empty(2, np.float32)
         hdr[0] = scale
         hdr[1] = lo
@@ -118,8 +140,13 @@ def _decode_int8(data: np.ndarray, out: np.ndarray, dim: int) -> None:
         f = hdr.view(np.float32)
         scale = f[0]
         bias = f[1]
-        for j in range(dim):
-            out[i, j] = np.float32(data[i, j]) * scale + bias
+        if scale < _SAFE_SCALE and abs(bias) < _SAFE_BIAS:  # q * scale + bias cannot overflow float32
+            for j in range(dim):
+                out[i, j] = np.float32(data[i, j]) * scale + bias
+        else:  # rows near float32's limits: in float64, clamped, or the rounded scale could carry them to inf
+            for j in range(dim):
+                v = np.float64(data[i, j]) * np.float64(scale) + np.float64(bias)
+                out[i, j] = np.float32(min(max(v, -_F32_MAX), _F32_MAX))
 
 
 @numba.njit(cache=True, inline="always")

@@ -53,15 +53,25 @@ class Store:
         self._closed = False
         self._wal = WriteAheadLog(path / WAL_DIR)
         self._wal_lock = threading.Lock()  # the log's order is the order writes are applied in
-        for cfg in config.tables:
-            self.tables[cfg.name] = self._open_table(cfg)
+        try:
+            for cfg in config.tables:
+                self.tables[cfg.name] = self._open_table(cfg)
+        except BaseException:  # release the tables opened so far: their tier locks would bar a retry
+            close_all(list(self.tables.values()))
+            raise
 
     # --- tables --------------------------------------------------------------------
-    def _open_table(self, cfg: TableConfig) -> Table:
-        entry = self._manifest["tables"].get(cfg.name)
+    def _open_table(self, cfg: TableConfig, entry: dict[str, Any] | None = None) -> Table:
+        entry = entry if entry is not None else self._manifest["tables"].get(cfg.name)
         if entry is None:
             raise CorruptStoreError(f"{self.path / MANIFEST_FILE}: table {cfg.name!r} is in the config "
                                     "but not in the manifest")
+        layout = _layout(cfg)
+        changed = {k: (v, layout[k]) for k, v in entry.items() if k in layout and v != layout[k]}
+        if changed:  # a home of another width may not notice (rocksdb): its rows would decode as garbage
+            what = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise CorruptStoreError(f"{self.path / CONFIG_FILE}: table {cfg.name!r} was created with another "
+                                    f"layout ({what}); only its tiers may change")
         mapper = None
         if cfg.hash.kind is not HashKind.NONE:
             from embstore.hashing import build_hash
@@ -95,15 +105,25 @@ class Store:
         cfg = config if isinstance(config, TableConfig) else TableConfig.from_dict(config)
         if cfg.name in self.tables:
             raise TableExistsError(f"table {cfg.name!r} already exists in {self.path}")
-        cfg = _adopt_mappings(self.path, StoreConfig((cfg,)), Path.cwd()).tables[0]
-        if cfg.name in self.tables:
-            raise TableExistsError(f"table {cfg.name!r} already exists in {self.path}")
-        new_config = StoreConfig((*self.config.tables, cfg))
         manifest = json.loads(json.dumps(self._manifest))
-        manifest["tables"][cfg.name] = {"dir": f"tables/{cfg.name}", "state_dim": state_dim}
+        entry = manifest["tables"][cfg.name] = _entry(cfg, state_dim)
+        folder = self.path / entry["dir"]
+        # Nothing changes until the new metadata is written: a refused table leaves neither an entry in
+        # the manifest the next create_table would persist (the store would not reopen) nor its files.
+        # A folder already there is not in the manifest, the commit record: debris of a failed attempt.
+        shutil.rmtree(folder, ignore_errors=True)
+        table: Table | None = None
+        try:
+            cfg = _adopt_mappings(self.path, StoreConfig((cfg,)), Path.cwd()).tables[0]
+            new_config = StoreConfig((*self.config.tables, cfg))
+            table = self._open_table(cfg, entry)  # validates hash files etc. before anything is persisted
+            _write_metadata(self.path, new_config, manifest)
+        except BaseException:
+            if table is not None:
+                close_all([table])
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         self._manifest = manifest
-        table = self._open_table(cfg)  # validates hash files etc. before anything is persisted
-        _write_metadata(self.path, new_config, manifest)
         self.config = new_config
         self.tables[cfg.name] = table
         log.info("created table %s in %s", cfg.name, self.path)
@@ -159,6 +179,7 @@ class Store:
         table = self[name]
         arr, vals = table.check_update(ids, rows)  # a write that would be refused is not logged
         with self._wal_lock:
+            self._check_open()  # again under the lock: a close() that ran meanwhile must not see it logged
             self._wal.append(name, arr, vals)
             table.update(arr, vals)
 
@@ -219,6 +240,28 @@ def _initial(cfg: TableConfig, fmt: RowFormat, ids: Any) -> Any:
     return fmt.encode(initial_rows(cfg.init, ids, fmt.dim))
 
 
+def _layout(cfg: TableConfig) -> dict[str, Any]:
+    """What fixes how a table's stored rows read back; recorded at creation, checked at every open
+    (stores made before it was recorded are not checked)."""
+    return {"num_embeddings": cfg.num_embeddings, "dim": cfg.dim, "dtype": cfg.dtype.value}
+
+
+def _entry(cfg: TableConfig, state_dim: int) -> dict[str, Any]:
+    return {"dir": f"tables/{cfg.name}", "state_dim": state_dim, **_layout(cfg)}
+
+
+def _check_entries(path: Path, tables: dict[str, Any]) -> None:
+    """CorruptStoreError unless every table entry is what :func:`create` writes: its folder
+    ``tables/NAME`` (never a path out of the store, whose files a re-layout would delete) and
+    a ``state_dim`` >= 0."""
+    for name, entry in tables.items():
+        ok = (isinstance(entry, dict) and entry.get("dir") == f"tables/{name}"
+              and type(entry.get("state_dim", 0)) is int and entry.get("state_dim", 0) >= 0)
+        if not ok:
+            raise CorruptStoreError(f"{path}: the entry of table {name!r} is damaged (expected "
+                                    f'{{"dir": "tables/{name}", "state_dim": N >= 0}}, got {entry!r})')
+
+
 def _write_metadata(path: Path, config: StoreConfig, manifest: dict[str, Any]) -> None:
     atomic_write(path / CONFIG_FILE, config.to_toml().encode())
     atomic_write(path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True).encode())
@@ -261,8 +304,7 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
     except BaseException:
         shutil.rmtree(p, ignore_errors=True)
         raise
-    manifest = {"format": FORMAT, "tables": {t.name: {"dir": f"tables/{t.name}", "state_dim": 0}
-                                             for t in cfg.tables}}
+    manifest = {"format": FORMAT, "tables": {t.name: _entry(t, 0) for t in cfg.tables}}
     _write_metadata(p, cfg, manifest)
     log.info("created store %s with tables %s", p, [t.name for t in cfg.tables])
     return Store(p, cfg, manifest)
@@ -279,6 +321,7 @@ def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
         raise CorruptStoreError(f"{p / MANIFEST_FILE} cannot be read: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("tables"), dict):
         raise CorruptStoreError(f"{p / MANIFEST_FILE} is not an {FORMAT} manifest")
+    _check_entries(p / MANIFEST_FILE, manifest["tables"])
     try:
         cfg = StoreConfig.from_toml(p / CONFIG_FILE)
     except ConfigError as exc:

@@ -75,8 +75,8 @@ class Table:
         flat = rows.reshape(-1)
         uniq, inv = unique_inverse(flat)
         vals = self._read_unique(uniq)[inv]
-        if rows.ndim == 2:
-            vals = self.mapper.combine(vals.reshape(len(ids), rows.shape[1], -1))
+        if rows.ndim == 2:  # QR: (n, rows_per_id); the explicit width also reshapes an empty batch
+            vals = self.mapper.combine(vals.reshape(len(ids), rows.shape[1], vals.shape[1]))
         return vals
 
     @property
@@ -191,6 +191,7 @@ class Table:
     def _checked_update(self, ids: Any, rows: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         arr, _ = as_ids(ids)
         vals, _ = as_rows(rows, len(arr), self.dim)
+        self.format.check(vals)
         if self.mapper is not None and self.mapper.rows_per_id != 1:
             raise InvalidInputError(f"table {self.name!r}: rows of a QR-hashed table are combinations of two "
                                     "shared rows and cannot be overwritten one id at a time; train it instead")
@@ -217,6 +218,7 @@ class Table:
 
     def write_physical(self, rows: Ids, values: np.ndarray) -> None:
         """Overwrite physical rows (unique ids, float32 (n, physical dim)); for import."""
+        self.format.check(values)
         with self._lock:
             self._check_open()
             self.hierarchy.write(rows, self.format.encode(values))

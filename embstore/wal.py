@@ -99,7 +99,12 @@ def read_records(directory: str | os.PathLike[str]) -> Iterator[tuple[str, np.nd
             end = os.fstat(f.fileno()).st_size  # the size at open; anything appended later is not replayed
             at = 0
             for payload in _payloads(f, end):
-                yield _decode(payload)
+                try:
+                    record = _decode(payload)
+                except (ValueError, UnicodeDecodeError, struct.error) as exc:  # checksummed, yet inconsistent
+                    raise CorruptStoreError(f"write-ahead log {path}: the record at offset {at} is damaged "
+                                            f"({exc})") from exc
+                yield record
                 at += _HEADER.size + len(payload)
         if at < end:
             if n < len(segments) - 1:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 import embstore
 from embstore.config import PolicySpec, StoreConfig, TableConfig, TierConfig, parse_bytes
@@ -257,3 +259,122 @@ def test_learned_hash_table_is_self_contained(tmp_path) -> None:
         s.ensure_state_dim("t", 1)
     with embstore.open(tmp_path / "s") as s:
         assert s["t"].format.state_dim == 1 and s["t"].lookup(ids).shape == (50, 8)
+
+
+def test_float16_table_refuses_rows_beyond_its_range_and_writes_nothing(tmp_path) -> None:
+    cfg = TableConfig("t", 10, 4, dtype="float16", tiers=(TierConfig("dram", 24, "lru"), TierConfig("mmap")))
+    with embstore.create(tmp_path / "s", StoreConfig((cfg,))) as store:
+        t = store["t"]
+        ids = np.array([1, 2], np.int64)
+        before = t.lookup(ids)
+        for big in (7e4, -1e6, 3e38):
+            rows = np.ones((2, 4), np.float32)
+            rows[1, 2] = big
+            with pytest.raises(embstore.InvalidRowsError, match="float16"):
+                t.update(ids, rows)
+            with pytest.raises(embstore.InvalidRowsError, match="float16"):
+                store.update_logged("t", ids, rows)
+        np.testing.assert_array_equal(t.lookup(ids), before)
+        edge = np.full((2, 4), 65504.0, np.float32)  # float16's largest finite value is fine
+        t.update(ids, -edge)
+        np.testing.assert_array_equal(t.lookup(ids), -edge)
+    with embstore.open(tmp_path / "s") as store:  # nothing refused was logged for replay
+        np.testing.assert_array_equal(store["t"].lookup(ids), -edge)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@given(_finite32, _finite32, st.integers(1, 9))
+@example(-_F32_MAX, _F32_MAX, 4)
+@example(_F32_MAX, -_F32_MAX, 9)
+@example(-3e38, 3e38, 2)
+def test_int8_rows_spanning_most_of_float32_round_trip_within_the_bound(a: float, b: float, dim: int) -> None:
+    x = np.linspace(a, b, dim, dtype=np.float64).astype(np.float32)[None, :]
+    i8 = RowFormat(dim, "int8")
+    got = i8.decode(i8.encode(x))
+    assert np.isfinite(got).all()
+    spread = float(x.max()) - float(x.min())
+    err = np.abs(got.astype(np.float64) - x.astype(np.float64)).max()
+    assert err <= spread / 510 * 1.001 + 1e-6 * np.abs(x.astype(np.float64)).max() + 1e-38
+
+
+def test_qr_hashed_table_pools_an_empty_batch(tmp_path) -> None:
+    cfg = TableConfig("t", 20, 4, hash={"kind": "qr", "collisions": 4},
+                      tiers=(TierConfig("dram", 1 << 10, "lru"), TierConfig("mmap")))
+    with embstore.create(tmp_path / "s", StoreConfig((cfg,))) as store:
+        t = store["t"]
+        empty = np.array([], np.int64)
+        for offsets, bags in (([0], 0), ([0, 0], 1), ([0, 0, 0], 2)):
+            out = t.lookup_pooled(empty, np.array(offsets, np.int64), mode="mean")
+            assert out.shape == (bags, 4) and not out.any()
+        out = t.lookup_pooled(torch.tensor([], dtype=torch.int64), torch.tensor([0, 0]))
+        assert isinstance(out, torch.Tensor) and tuple(out.shape) == (1, 4)
+
+
+def test_bfloat16_torch_rows_are_accepted_as_floats(table) -> None:
+    rows = torch.tensor([[1.5, -2.0, 0.25, 8.0]], dtype=torch.bfloat16)
+    table.update(torch.tensor([5]), rows)
+    np.testing.assert_array_equal(table.lookup(np.array([5], np.int64)), rows.float().numpy())
+    with pytest.raises(embstore.InvalidInputError, match="int64"):
+        table.lookup(torch.tensor([5.0], dtype=torch.bfloat16))
+    with pytest.raises(embstore.InvalidInputError, match="float8"):  # no numpy twin: a typed error
+        table.update(torch.tensor([5]), torch.zeros((1, 4), dtype=torch.float8_e4m3fn))
+
+
+def test_a_refused_create_table_changes_nothing_and_the_store_reopens(tmp_path) -> None:
+    store = embstore.create(tmp_path / "s", StoreConfig.from_toml(BASE))
+    too_small = TableConfig("v", 10, 4, tiers=(TierConfig("dram", 8, "lru"), TierConfig("mmap")))
+    with pytest.raises(embstore.ConfigError, match="capacity"):
+        store.create_table(too_small)
+    assert "v" not in store and not (tmp_path / "s" / "tables" / "v").exists()
+    store.create_table(TableConfig("w", 10, 4, tiers=(TierConfig("mmap"),)))  # persists the manifest again
+    store.create_table(TableConfig("v", 10, 2, tiers=(TierConfig("mmap"),)))  # the refused name is free
+    store["v"].update(np.array([3], np.int64), np.ones((1, 2), np.float32))
+    store.close()
+    with embstore.open(tmp_path / "s") as s:
+        assert sorted(s.tables) == ["t", "v", "w"]
+        assert s["v"].lookup(np.array([3], np.int64)).tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("entry", [{}, {"dir": 5}, {"dir": "../../elsewhere", "state_dim": 0}, [],
+                                   {"dir": "tables/t", "state_dim": "a"}, {"dir": "tables/t", "state_dim": -3},
+                                   {"dir": "tables/t", "state_dim": True}, None])
+def test_a_damaged_manifest_entry_is_a_corrupt_store(tmp_path, entry) -> None:
+    embstore.create(tmp_path / "s", StoreConfig.from_toml(BASE)).close()
+    manifest = tmp_path / "s" / "manifest.json"
+    manifest.write_text(json.dumps({"format": "embstore/1", "tables": {"t": entry}}))
+    with pytest.raises(embstore.CorruptStoreError, match="entry of table 't'"):
+        embstore.open(tmp_path / "s")
+    assert not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("edit", [("dim = 4", "dim = 8\ndtype = \"float16\""), ("dim = 4", "dim = 8\ndtype = \"int8\""),
+                                  ("num_embeddings = 100", "num_embeddings = 90")])
+def test_reopening_with_another_table_layout_is_refused_even_by_a_rocksdb_home(tmp_path, edit) -> None:
+    toml = BASE.replace("dim = 8", "dim = 4").replace('{ kind = "ssd" }', '{ kind = "rocksdb" }')
+    with embstore.create(tmp_path / "s", StoreConfig.from_toml(toml)) as store:
+        store["t"].update(np.array([1], np.int64), np.ones((1, 4), np.float32))  # 16-byte rows
+    path = tmp_path / "s" / "config.toml"
+    path.write_text(path.read_text().replace('dtype = "float32"\n', "").replace(*edit))
+    with pytest.raises(embstore.CorruptStoreError, match="created with another layout"):
+        embstore.open(tmp_path / "s")
+    tiers_only = StoreConfig.from_toml(toml.replace('capacity = "1KiB"', 'capacity = "2KiB"'))
+    path.write_text(tiers_only.to_toml())  # the tiers may change
+    with embstore.open(tmp_path / "s") as store:
+        assert store["t"].lookup(np.array([1], np.int64)).tolist() == [[1.0] * 4]
+
+
+def test_a_failed_open_releases_the_tables_it_opened(tmp_path) -> None:
+    cfg = StoreConfig((TableConfig("a", 20, 4, tiers=(TierConfig("mmap"),)),
+                       TableConfig("b", 20, 4, tiers=(TierConfig("rocksdb"),))))
+    with embstore.create(tmp_path / "s", cfg) as store:
+        store["a"].update(np.array([2], np.int64), np.ones((1, 4), np.float32))
+    home_b = tmp_path / "s" / "tables" / "b" / "home"
+    (home_b / "CURRENT").rename(home_b / "CURRENT.bak")
+    with pytest.raises(embstore.CorruptStoreError, match="not a RocksDB database"):
+        embstore.open(tmp_path / "s")
+    (home_b / "CURRENT.bak").rename(home_b / "CURRENT")  # repaired: the same process opens it again
+    with embstore.open(tmp_path / "s") as store:
+        assert store["a"].lookup(np.array([2], np.int64)).tolist() == [[1.0] * 4]

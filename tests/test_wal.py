@@ -214,3 +214,36 @@ def test_an_absurd_length_before_the_last_segment_is_corruption(tmp_path) -> Non
         assert tracemalloc.get_traced_memory()[1] < 1 << 20
     finally:
         tracemalloc.stop()
+
+
+def test_a_logged_write_refused_by_a_racing_close_is_not_replayed(store_path, monkeypatch) -> None:
+    store = embstore.open(store_path)
+    table = store["t"]
+    check = table.check_update
+
+    def close_meanwhile(ids, rows):  # another thread closes the store between the checks and the log
+        out = check(ids, rows)
+        store.close()
+        return out
+
+    monkeypatch.setattr(table, "check_update", close_meanwhile)
+    with pytest.raises(embstore.StoreClosedError):
+        store.update_logged("t", np.array([7]), rows_of(5.0))
+    assert list(read_records(store_path / WAL_DIR)) == []
+    with embstore.open(store_path) as s:
+        assert s["t"].lookup(np.array([7]))[0, 0] != 5.0
+
+
+@pytest.mark.parametrize("payload", [
+    struct.pack("<H", 1) + b"t" + struct.pack("<II", 1000, 4) + b"\0" * 24,  # counts past the payload
+    struct.pack("<H", 2) + b"\xff\xfe" + struct.pack("<II", 0, 4),           # a name that is not UTF-8
+    struct.pack("<H", 9) + b"t",                                             # cut inside the name
+])
+def test_a_checksummed_but_inconsistent_record_is_a_corrupt_store(store_path, payload: bytes) -> None:
+    import zlib
+
+    (store_path / WAL_DIR).mkdir()
+    (store_path / WAL_DIR / "00000001.log").write_bytes(
+        struct.pack("<III", 0x314C5745, len(payload), zlib.crc32(payload)) + payload)
+    with pytest.raises(embstore.CorruptStoreError, match="record at offset 0 is damaged"):
+        embstore.open(store_path)
