@@ -247,6 +247,7 @@ def belady_hit_mask(keys: npt.ArrayLike, capacity: int) -> Mask:
     """Per access: would MIN with ``capacity`` rows hit? (``mask.sum()`` is the hit count.)"""
     cap = _check_capacity(capacity)
     dense, num = densify(keys)
+    cap = min(cap, num)  # more rows than keys never evict; and the kernel takes an int64
     mask = np.zeros(dense.size, dtype=np.bool_)
     if cap == 0 or dense.size == 0:
         return mask

@@ -73,10 +73,25 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "CostModel":
+        """Read back ``to_dict``; every cost must be a finite positive number (a zero IOPS figure would
+        divide by zero in every modelled time, a NaN make them all NaN)."""
+
+        def cost(value: object, name: str) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+            return float(value)
+
         try:
-            return cls(float(d["dram_ns_per_row"]), float(d["mmap_ns_per_row"]),
-                       {int(k): float(v) for k, v in d["ssd_iops"].items()}, float(d["rocksdb_us_per_row"]),
-                       int(d.get("row_bytes", 256)), bool(d.get("measured", True)))
+            iops = {int(k): cost(v, f"ssd_iops[{k}]") for k, v in d["ssd_iops"].items()}
+            if not iops or min(iops) < 1:
+                raise ValueError(f"ssd_iops needs queue depths >= 1, got {d['ssd_iops']!r}")
+            row_bytes, measured = d.get("row_bytes", 256), d.get("measured", True)
+            if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
+                raise ValueError(f"row_bytes must be an integer >= 1, got {row_bytes!r}")
+            if not isinstance(measured, bool):
+                raise ValueError(f"measured must be true or false, got {measured!r}")
+            return cls(cost(d["dram_ns_per_row"], "dram_ns_per_row"), cost(d["mmap_ns_per_row"], "mmap_ns_per_row"),
+                       iops, cost(d["rocksdb_us_per_row"], "rocksdb_us_per_row"), row_bytes, measured)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidInputError(f"cost model JSON lacks or mangles a field: {exc!r}") from exc
 
@@ -94,8 +109,10 @@ def load(path: str | os.PathLike | None = None) -> CostModel:
         data = json.loads(p.read_text())
     except FileNotFoundError:
         raise InvalidInputError(f"cost model {str(p)!r} does not exist; run the calibration first") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, and UnicodeDecodeError for non-UTF-8
         raise InvalidInputError(f"cost model {str(p)!r} is not readable JSON: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise InvalidInputError(f"cost model {str(p)!r} must hold a JSON object, got {type(data).__name__}")
     return CostModel.from_dict(data)
 
 

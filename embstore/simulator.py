@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embstore.arrays import Ids
-from embstore.belady import belady_hits, belady_mrc, dedup_batches
+from embstore.belady import _as_keys, belady_hits, belady_mrc, dedup_batches
 from embstore.config import PolicySpec
 from embstore.errors import InvalidInputError
 from embstore.policies import simulate
@@ -94,6 +94,10 @@ def simulate_level(keys: Ids, offsets: Offsets, policy: PolicySpec, capacity: in
     """Per-access hit mask of one cache level (capacity 0: no cache, every access misses)."""
     if capacity == 0 or keys.size == 0:
         return np.zeros(keys.size, np.bool_)
+    if capacity > keys.size:
+        # more slots than accesses: the cache never fills, so it behaves as one sized to the distinct keys
+        # (no eviction, no admission test), and simulating that size does not allocate the slots asked for
+        capacity = int(np.unique(keys).size)
     return simulate(keys, offsets, capacity, policy)
 
 
@@ -135,6 +139,9 @@ def demand_misses(keys: Ids, offsets: Offsets, miss: npt.NDArray[np.bool_], capa
     per_batch = np.diff(cum[offsets])
     if k <= 0:
         return int(per_batch.sum())
+    # a window never holds more rows than there are keys, nor looks back past the first batch: clamping
+    # changes nothing and keeps huge values (2**70) out of int64 arithmetic
+    capacity, k = min(capacity, keys.size), min(k, per_batch.size)
     w = window_unique(keys, offsets, k)
     staged_short = np.maximum(0, w - capacity)
     demand = np.minimum(per_batch, staged_short)
@@ -146,9 +153,9 @@ def replay_keys(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[Policy
                 row_bytes: int = 0, lookahead: int = 0, belady: bool = True, dedup: bool = True) -> ReplayResult:
     """Replay a key sequence (any int64 keys >= 0) through cache ``levels`` (fastest first) over a home."""
     lv = _levels(levels)
-    if lookahead < 0:
-        raise InvalidInputError(f"lookahead must be >= 0 batches, got {lookahead}")
-    keys = np.ascontiguousarray(keys, np.int64)
+    if isinstance(lookahead, (bool, np.bool_)) or not isinstance(lookahead, (int, np.integer)) or lookahead < 0:
+        raise InvalidInputError(f"lookahead must be an integer >= 0 batches, got {lookahead!r}")
+    keys = _as_keys(keys)  # integers only: float keys would be truncated into other rows
     off = np.ascontiguousarray(batch_offsets, np.int64)
     if dedup:
         keys, off = dedup_batches(keys, off)
@@ -201,10 +208,11 @@ def miss_ratio_curve(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLik
                      *, dedup: bool = True, progress: Any = None) -> npt.NDArray[np.int64]:
     """Hits of a single cache at each capacity (rows). ``policy`` "belady" gives MIN;
     plain LRU takes one stack-distance pass; the others one simulate per capacity."""
-    caps = np.asarray(capacities, np.int64)
-    if caps.ndim != 1 or (caps.size and caps.min() < 0):
+    caps = np.asarray(capacities)
+    if caps.ndim != 1 or (caps.size and (caps.dtype.kind not in "iu" or caps.min() < 0)):
         raise InvalidInputError("capacities must be a 1-D array of row counts >= 0")
-    keys = np.ascontiguousarray(keys, np.int64)
+    caps = np.minimum(caps, np.iinfo(np.int64).max).astype(np.int64)  # uint64 beyond int64: never evicts either
+    keys = _as_keys(keys)
     off = np.ascontiguousarray(batch_offsets, np.int64)
     if dedup:
         keys, off = dedup_batches(keys, off)

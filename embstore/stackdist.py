@@ -92,10 +92,13 @@ def lru_mrc(keys: npt.ArrayLike, capacities: npt.ArrayLike,
     d = stack_distances(keys) if distances is None else np.asarray(distances)
     if caps.size == 0:
         return np.zeros(0, dtype=np.int64)
+    # a distance is below the number of accesses, so capacities past it all hit every reuse: clamping
+    # them keeps the histogram as small as the trace (not 2**40 slots) and uint64 capacities in range
+    caps = np.minimum(caps, d.size).astype(np.int64)
     top = int(caps.max())
     reuse = d[d >= 0]
     # hist[x] = accesses with distance x (x < top); hits(C) = sum_{x < C} hist[x]
     hist = np.bincount(np.minimum(reuse, top), minlength=top + 1)[:top]
     cum = np.zeros(top + 1, dtype=np.int64)
     np.cumsum(hist, out=cum[1:])
-    return cum[caps.astype(np.int64)]
+    return cum[caps]

@@ -26,7 +26,9 @@ what sits beside them (a partial cache's directory, 33-104 bytes per slot by
 policy; a whole-table cache's presence flags), for every table's home index
 (the ``log`` layout's 4-byte slot per row, ``in_place``'s presence bit) and
 every RocksDB home's block cache and memtable, set aside first, and for the
-directories of device caches, which live in host memory. On DLRM-sized rows
+directories of device caches, which live in host memory (so a device cache
+grows only while its directory fits in the DRAM the homes leave, however large
+the device budget). On DLRM-sized rows
 (68 bytes) the metadata is as large as the rows, so a budget counted in row
 bytes alone would be overrun up to 2x (``metadata_in_budget=False`` counts
 rows only, as the recorded DLRM benchmark did). The ``log`` layout's slot maps
@@ -93,6 +95,7 @@ ROCKSDB_WRITE_BUFFER_FLOOR = 4 << 20
 ROCKSDB_BUDGET_SHARE = 0.25  # of the DRAM left after floors and indexes, spread over rocksdb homes by accesses
 _ROCKSDB_ENTRY_OVERHEAD = 16  # bytes a row costs in a data block beyond its value: 8-byte key, lengths, restarts
 _ROCKSDB_GRAIN = 64 << 10  # sizes are whole multiples of this (readable TOML)
+MAX_TABLE_ROWS = 2**62  # TableConfig's bound on num_embeddings
 
 
 @dataclass(frozen=True)
@@ -255,15 +258,19 @@ def _grid(unique: int, points: int) -> np.ndarray:
 
 
 def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int, row_bytes: int,
-             costs: Sequence[np.ndarray] | None = None) -> list[int]:
+             costs: Sequence[np.ndarray] | None = None, side_costs: Sequence[np.ndarray] | None = None,
+             side_budget: int = 0) -> list[int]:
     """Greedy marginal-gain allocation: ``curves[t] = (capacities_rows, hits)``; returns
     each table's grid index. Each step buys the jump (any table, any larger grid
     point that fits) with the most hits per byte. ``costs[t][i]``: bytes of grid
-    point i (default: its rows x ``row_bytes``)."""
+    point i (default: its rows x ``row_bytes``). ``side_costs[t][i]``: bytes the same
+    point takes from a second budget ``side_budget`` (a device cache's directory lives
+    in DRAM), which every jump must fit as well."""
     if costs is None:
         costs = [caps * row_bytes for caps, _ in curves]
     pos = [0] * len(curves)
     left = int(budget_bytes)
+    side_left = int(side_budget)
     while True:
         best, pick = 0.0, None
         for t, (caps, hits) in enumerate(curves):
@@ -273,6 +280,8 @@ def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int,
                 continue
             gain = (hits[i + 1:] - hits[i]).astype(np.float64)
             ok = dbytes <= left
+            if side_costs is not None:
+                ok &= side_costs[t][i + 1:] - side_costs[t][i] <= side_left
             if not ok.any():
                 continue
             rate = np.where(ok & (gain > 0), gain / np.maximum(dbytes, 1), -1.0)
@@ -283,6 +292,8 @@ def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int,
             return pos
         t, j = pick
         left -= int(costs[t][j] - costs[t][pos[t]])
+        if side_costs is not None:
+            side_left -= int(side_costs[t][j] - side_costs[t][pos[t]])
         pos[t] = j
 
 
@@ -311,6 +322,10 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
         ids, off = table_keys(trace, t)
         if ids.size and ids.min() < 0:
             raise InvalidInputError(f"table {name!r} has negative ids; the store cannot look them up")
+        if ids.size and ids.max() >= MAX_TABLE_ROWS:  # checked before the curves, which take the time
+            raise InvalidInputError(f"table {name!r} has ids up to {int(ids.max())}, but a table holds at most "
+                                    f"2**62 rows; give it a hash (hash = {{ kind = 'mod' }}) and tune a trace "
+                                    "of its hashed rows (embstore.recorder records those)")
         k, o = dedup_batches(ids, off)
         uniq = int(np.unique(k).size) if k.size else 0
         caps = _grid(uniq, grid_points)
@@ -318,7 +333,8 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
         if progress is not None:
             progress(1)
         max_id = int(ids.max()) if ids.size else 0
-        home = "rocksdb" if max_id >= SPARSE_MAX_ID or uniq / (max_id + 1) < SPARSE_DENSITY else "ssd"
+        # a table without accesses shows no sparse id space (and would pay rocksdb's floors for nothing)
+        home = "rocksdb" if uniq and (max_id >= SPARSE_MAX_ID or uniq / (max_id + 1) < SPARSE_DENSITY) else "ssd"
         data.append((name, k, o, uniq, max_id, per, caps, home))
         curves.append((caps, per.max(axis=0)))
         costs.append(_cache_costs(caps, per.argmax(axis=0), policies, max_id + 1, row_bytes)
@@ -330,11 +346,7 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
             np.broadcast_to(caps * row_bytes, per.shape)
         pol, idx = cost_frontier(caps, per, by_policy)
         dram_choices.append((caps[idx], per[pol, idx], by_policy[pol, idx], pol))
-    # device caches first: their rows go to the device budget, their directories to the DRAM one
-    dev_pos = allocate(curves, device_bytes, row_bytes) if device_bytes else [0] * len(curves)
-    dev_meta = sum(int(costs[t][i]) - int(curves[t][0][i]) * row_bytes for t, i in enumerate(dev_pos))
     all_acc = max(1, sum(int(d[1].size) for d in data))
-
     # slot maps for every ssd home, or for none (per table, most write-backs per map byte first, measured
     # no better on the DLRM shape: BENCHMARKS, session 8)
     maps = sum(home_index_bytes("ssd", "log", d[4] + 1, row_bytes) for d in data if d[7] == "ssd")
@@ -343,6 +355,13 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
                 for d in data if d[7] != "rocksdb")
     # rocksdb homes: their floors, then their tables' slices of what is left (module doc)
     floors = sum(RocksDBTier.dram_bytes(*rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data if d[7] == "rocksdb")
+
+    # device caches next: their rows go to the device budget, their directories to the DRAM left after
+    # the homes (a device budget far above the DRAM one must not buy directories DRAM cannot hold)
+    directories = [costs[t] - curves[t][0] * row_bytes for t in range(len(curves))]
+    dev_pos = allocate(curves, device_bytes, row_bytes, side_costs=directories if metadata_in_budget else None,
+                       side_budget=dram_bytes - homes - floors) if device_bytes else [0] * len(curves)
+    dev_meta = sum(int(directories[t][i]) for t, i in enumerate(dev_pos))
     spare = dram_bytes - homes - dev_meta - floors
     rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
              (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]

@@ -128,14 +128,19 @@ class LearnedHash(Mapper):
         def bad(why: str) -> CorruptStoreError:
             return CorruptStoreError(f"{path}: not a valid embstore hash mapping ({why})")
 
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise bad(f"format {meta.get('format')!r} version {meta.get('version')!r}; "
+        version = meta.get("version")
+        if meta.get("format") != FORMAT or type(version) is not int or version != VERSION:
+            raise bad(f"format {meta.get('format')!r} version {version!r}; "
                       f"expected {FORMAT!r} version {VERSION}")
-        try:
-            num_rows, ded, clu, rs, seed, known, tk = (int(meta[k]) for k in (
-                "num_rows", "dedicated", "cluster_rows", "reserved_start", "seed", "known_ids", "table_key"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"header field {exc}") from None
+        fields = ("num_rows", "dedicated", "cluster_rows", "reserved_start", "seed", "known_ids", "table_key")
+        missing = [k for k in fields if k not in meta]
+        if missing:
+            raise bad(f"header field {missing[0]!r} is missing")
+        # exact ints only: int() would truncate a damaged 99.5 to 99 rows, or overflow on 1e300
+        wrong = [k for k in fields if type(meta[k]) is not int]
+        if wrong:
+            raise bad(f"header field {wrong[0]!r} = {meta[wrong[0]]!r} is not an integer")
+        num_rows, ded, clu, rs, seed, known, tk = (meta[k] for k in fields)
         if not (1 <= num_rows <= MAX_ROWS and 0 <= ded and 0 <= clu and rs == ded + clu and rs < num_rows
                 and 0 <= seed < 2**63 and 0 <= tk < 2**64 and known >= 0):
             raise bad("inconsistent row layout in the header")

@@ -187,3 +187,18 @@ def test_next_use_by_definition(keys):
     for i, k in enumerate(keys):
         later = [j for j in range(i + 1, n) if keys[j] == k]
         assert nxt[i] == (later[0] if later else n + i)
+
+
+@given(st.lists(st.integers(0, 30), max_size=120),
+       st.sampled_from([2**40, 2**62, 2**63 - 1, 2**64 - 1]))
+@settings(max_examples=40)
+def test_capacities_beyond_the_distinct_keys_take_no_memory_and_hit_every_reaccess(keys, huge):
+    """A capacity above the distinct keys is a cache that never evicts; it used to size a histogram
+    (lru_mrc: 7 TiB for 2**40 rows) or overflow the numba kernel (belady_hits past int64)."""
+    k = np.array(keys, dtype=np.int64)
+    every = len(keys) - len(set(keys))
+    dtype = np.uint64 if huge > 2**63 - 1 else np.int64
+    assert lru_mrc(k, np.array([0, 1, huge], dtype=dtype)).tolist() == [0, lru_reference(keys, 1), every]
+    assert belady_mrc(k, np.array([huge], dtype=dtype)).tolist() == [every]
+    assert belady_hits(k, huge) == every
+    assert int(belady_hit_mask(k, huge).sum()) == every

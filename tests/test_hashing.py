@@ -349,6 +349,63 @@ def test_learned_load_errors_name_the_path(tmp_path):
             LearnedHash.load(path)
 
 
+def _rewrite_header(path, edit) -> None:
+    """Apply ``edit`` to the JSON header of a saved mapping and write it back, keeping the data where it is
+    (the header is padded to its old length, so the arrays' offsets stay valid)."""
+    import struct
+
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    header = json.loads(raw[16:16 + hlen])
+    header["meta"].pop("fit")  # room for longer values
+    edit(header)
+    text = json.dumps(header, sort_keys=True).encode()
+    assert len(text) <= hlen
+    path.write_bytes(raw[:8] + struct.pack("<Q", hlen) + text.ljust(hlen) + raw[16 + hlen:])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_rows", 99.5), ("num_rows", 1e300), ("num_rows", True), ("seed", 2.5), ("known_ids", "3"),
+    ("version", True), ("version", 1.0),
+])
+def test_learned_load_refuses_non_integer_header_fields(tmp_path, field, value):
+    """A float in the header used to be truncated (99.5 rows -> 99, a different table) or to escape as a raw
+    OverflowError (1e300); it is corruption, reported as such."""
+    path = tmp_path / "m.ehash"
+    LearnedHash.fit(np.arange(1000, dtype=np.int64) % 300, 100).save(path)
+    _rewrite_header(path, lambda h: h["meta"].__setitem__(field, value))
+    with pytest.raises(CorruptStoreError, match=str(path)):
+        LearnedHash.load(path)
+
+
+@pytest.mark.parametrize("edit", [
+    {"shape": [2**62, 2**62]}, {"shape": [2**70]}, {"shape": [1.5]}, {"shape": 7}, {"offset": 2**70},
+    {"offset": 0.5}, {"dtype": "O"}, {"dtype": "V8"}, {"dtype": [["a", "<i8"]]}, {"crc32": 1.5},
+])
+def test_learned_load_refuses_impossible_array_descriptions(tmp_path, edit):
+    path = tmp_path / "m.ehash"
+    LearnedHash.fit(np.arange(1000, dtype=np.int64) % 300, 100).save(path)
+    _rewrite_header(path, lambda h: h["arrays"]["keys"].update(edit))
+    with pytest.raises(CorruptStoreError, match=str(path)):
+        LearnedHash.load(path)
+
+
+@pytest.mark.parametrize("field", ["table_key", "seed"])
+def test_learned_load_detects_a_damaged_header_that_still_parses(tmp_path, field):
+    """One wrong digit in the header (the unseen-id seed, the slot hash key) used to load fine and map ids
+    elsewhere without a word: the header has its own CRC now."""
+    path = tmp_path / "m.ehash"
+    fitted = LearnedHash.fit(np.arange(1000, dtype=np.int64) % 300, 100, seed=7)
+    fitted.save(path)
+    raw = path.read_bytes()
+    text = f'"{field}": {fitted.meta[field]}'.encode()
+    assert raw.count(text) == 1
+    damaged = f'"{field}": {fitted.meta[field] - 1}'.encode().ljust(len(text))
+    path.write_bytes(raw.replace(text, damaged))
+    with pytest.raises(CorruptStoreError, match="header"):
+        LearnedHash.load(path)
+
+
 # -- the point of learning: similar ids collide --------------------------------------
 
 def planted_trace(seed: int, groups: int = 8, per_group: int = 125, batches: int = 300, batch: int = 64,
@@ -475,6 +532,28 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
         main(["hash", "fit", "--help"])
     assert e.value.code == 0
     assert "Learning to Collide" in capsys.readouterr().out
+
+
+def test_cli_refuses_uint64_ids_beyond_int64_and_a_directory_as_out(tmp_path, capsys):
+    """2**64 - 1 in a uint64 .npy used to wrap to id -1 and be fitted as such; --out naming a directory
+    failed only after the fit, naming a temp file."""
+    from embstore.commands.hash_cmds import main
+
+    np.save(tmp_path / "big.npy", np.array([2**64 - 1, 5], np.uint64))
+    assert main(["hash", "fit", str(tmp_path / "big.npy"), "--buckets", "10", "--out", str(tmp_path / "m"),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "int64" in err and not (tmp_path / "m").exists()
+    np.save(tmp_path / "ok.npy", np.array([2**63 - 1, 5], np.uint64))  # in range: fine
+    assert main(["hash", "fit", str(tmp_path / "ok.npy"), "--buckets", "10", "--out", str(tmp_path / "m"),
+                 "--quiet"]) == 0
+    assert LearnedHash.load(tmp_path / "m")(arr([5, I64_MAX])).tolist() == [0, 1]  # one access each: by id
+    capsys.readouterr()
+    (tmp_path / "d").mkdir()
+    for out in (tmp_path / "d", tmp_path):
+        assert main(["hash", "fit", str(tmp_path / "ok.npy"), "--buckets", "10", "--out", str(out), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--out" in err and "directory" in err and ".tmp" not in err, err
 
 
 def test_cli_fits_one_table_of_a_trace(tmp_path, monkeypatch, capsys):

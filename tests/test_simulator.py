@@ -143,3 +143,47 @@ def test_shared_cache_uses_table_id_pairs():
     tr = Trace(np.array([1, 1, 1, 1]), np.array([0, 1, 0, 1]), np.array([0, 2, 4]))
     r = replay_trace(tr, [("lru", 2)])["all"]
     assert (r.accesses, r.levels[0].hits) == (4, 2)  # (0,1) and (1,1) are different rows
+
+
+@given(st.lists(st.integers(0, 40), max_size=150), st.lists(st.integers(0, 150), max_size=6),
+       st.sampled_from(["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu"]),
+       st.sampled_from([2**40, 2**62, 2**63 - 1]))
+@settings(max_examples=40, deadline=None)
+def test_huge_capacities_behave_as_the_whole_trace_without_allocating_them(keys, cuts, policy, huge):
+    """replay_keys / miss_ratio_curve with more slots than distinct rows used to allocate every slot
+    (MemoryError at 2**40 rows); such a cache never evicts, so it is simulated at the distinct count."""
+    keys = np.array(keys, np.int64)
+    off = np.array(sorted({0, keys.size, *[c for c in cuts if c <= keys.size]}), np.int64)
+    dk, doff = dedup_batches(keys, off)
+    whole = max(1, np.unique(dk).size)
+    want = int(replay_keys(dk, doff, [(policy, whole)], dedup=False).levels[0].hits)
+    assert want == dk.size - np.unique(dk).size
+    r = replay_keys(dk, doff, [(policy, huge), ("lru", huge)], dedup=False)
+    assert r.levels[0].capacity_rows == huge
+    assert (r.levels[0].hits, r.levels[0].belady_hits, r.levels[1].hits) == (want, want, 0)
+    assert miss_ratio_curve(dk, doff, [0, huge], policy, dedup=False).tolist() == [0, want]
+    assert miss_ratio_curve(dk, doff, [huge], "belady", dedup=False).tolist() == [want]
+    assert miss_ratio_curve(dk, doff, np.array([2**64 - 1], np.uint64), policy, dedup=False).tolist() == [want]
+    with pytest.raises(InvalidInputError, match="capacities"):
+        miss_ratio_curve(dk, doff, [2**70], policy)
+    with pytest.raises(InvalidInputError, match="capacities"):
+        miss_ratio_curve(dk, doff, [1.5], policy)
+
+
+def test_lookahead_and_capacity_beyond_int64_and_non_integer_keys():
+    """A capacity or look-ahead past int64 used to overflow the prefetch model (raw OverflowError), a float
+    look-ahead to escape as an IndexError, and float keys were truncated to ints without a word."""
+    keys = np.array([1, 2, 1, 3, 1, 2], np.int64)
+    off = np.array([0, 2, 4, 6])
+    whole = replay_keys(keys, off, [("lru", 3)], lookahead=1)
+    for cap in (2**63 - 1, 2**70, np.uint64(2**64 - 1)):
+        r = replay_keys(keys, off, [("lru", cap)], lookahead=1)
+        assert (r.levels[0].hits, r.demand_misses) == (whole.levels[0].hits, whole.demand_misses)
+    assert replay_keys(keys, off, [("lru", 2)], lookahead=10**20).demand_misses == \
+        replay_keys(keys, off, [("lru", 2)], lookahead=3).demand_misses == replay_keys(keys, off, [("lru", 2)]).levels[0].misses
+    assert demand_misses(keys, off, np.ones(6, bool), 2**70, 2**70) == 6
+    for bad in (2.5, -1, True, "1"):
+        with pytest.raises(InvalidInputError, match="lookahead"):
+            replay_keys(keys, off, [("lru", 2)], lookahead=bad)
+    with pytest.raises(InvalidInputError, match="integer"):
+        replay_keys(np.array([1.5, 2.0, 1.5]), np.array([0, 3]), [("lru", 2)])

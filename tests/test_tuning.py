@@ -139,6 +139,58 @@ def test_tune_keeps_rows_directories_and_home_indexes_within_the_budget(trace_pa
     assert 0 <= res.totals()["cache_hit_ratio"] <= 1
 
 
+@pytest.mark.parametrize("dram, device", [(64 << 10, 1 << 30), (32 << 10, 1 << 20), (100 << 10, 200 << 10),
+                                          (16 << 10, 64 << 10)])
+def test_device_caches_directories_stay_within_the_dram_budget(trace_path, tmp_path, dram, device):
+    """A device budget larger than the DRAM one used to buy device caches whose directories (host memory)
+    alone overran --dram twice over; the device caches now only grow while their directories fit too."""
+    tr = traces.load(trace_path)
+    res = tune(tr, dram, device, row_bytes=64)
+    dev, used = res.used_bytes()
+    assert dev <= device and used <= dram
+    assert any(p.device_rows for p in res.tables)  # the device budget is still used, as far as DRAM allows
+    assert res.totals()["device_hit_ratio"] > 0
+    with embstore.create(tmp_path / "s", StoreConfig.from_toml(res.config().to_toml())) as store:
+        assert sum(_store_dram(store).values()) == used
+
+
+def test_a_table_without_accesses_gets_an_ssd_home_not_rocksdb():
+    """No ids is no evidence of a sparse id space: it used to get a rocksdb home and its 9 MiB of floors."""
+    tr = traces.Trace(np.array([1, 2, 1], np.int64), np.zeros(3, np.int32), np.array([0, 3]), ("used", "idle"))
+    res = tune(tr, 1 << 20, row_bytes=16)
+    assert [p.home for p in res.tables] == ["ssd", "ssd"]
+    assert res.used_bytes()[1] <= 1 << 20
+
+
+def test_tune_cli_takes_zero_budgets(trace_path, tmp_path, capsys):
+    """--device 0 is the default (no device cache) but was refused when given; --dram 0 plans homes only."""
+    out = tmp_path / "s.toml"
+    assert main(["tune", str(trace_path), "--dram", "1MiB", "--device", "0", "--dim", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_bytes_used"] == 0
+    assert main(["tune", str(trace_path), "--dram", "0", "--device", "0B", "--dim", "4", "--out", str(out)]) == 0
+    assert "warning" in capsys.readouterr().out
+    cfg = StoreConfig.from_toml(out)
+    assert all(len(t.tiers) == 1 for t in cfg.tables)
+    for bad in ("-1", "0x", "lots"):
+        with pytest.raises(SystemExit):
+            main(["tune", str(trace_path), "--dram", "1MiB", "--device", bad])
+
+
+def test_output_paths_are_checked_before_the_work(trace_path, tmp_path, capsys):
+    """A bad --plot or --out used to fail only after the whole replay or tuning (the table already printed),
+    naming a temp file for a directory."""
+    (tmp_path / "d").mkdir()
+    for argv in (["replay", str(trace_path), "--capacity", "10", "--plot", str(tmp_path / "x.jpg")],
+                 ["replay", str(trace_path), "--capacity", "10", "--plot", str(tmp_path / "no" / "x.png")],
+                 ["replay", str(trace_path), "--capacity", "10", "--plot", str(tmp_path / "d")],
+                 ["tune", str(trace_path), "--dram", "1MiB", "--out", str(tmp_path / "d")],
+                 ["tune", str(trace_path), "--dram", "1MiB", "--out", str(tmp_path / "no" / "s.toml")]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and ".tmp" not in err, (argv, out, err)
+        assert ("--plot" if argv[0] == "replay" else "--out") in err
+
+
 def test_metadata_counts_against_the_budget_unless_asked_not_to(trace_path):
     tr = traces.load(trace_path)
     full = tune(tr, 256 << 10, row_bytes=64)
@@ -286,3 +338,39 @@ def test_costmodel_roundtrip_and_model(tmp_path):
     assert back == m and back.measured
     assert back.batch_seconds({"dram": 1000}) == pytest.approx(1000 * back.dram_ns_per_row * 1e-9)
     assert back.ns_per_row("ssd", 16) == pytest.approx(1e9 / back.ssd_iops[8])
+
+
+@pytest.mark.parametrize("change", [
+    {"ssd_iops": {"1": 0}}, {"ssd_iops": {}}, {"ssd_iops": {"1": -5.0}}, {"ssd_iops": {"0": 100.0}},
+    {"dram_ns_per_row": float("nan")}, {"mmap_ns_per_row": -1.0}, {"rocksdb_us_per_row": float("inf")},
+    {"dram_ns_per_row": True}, {"row_bytes": 0}, {"measured": "no"},
+])
+def test_costmodel_refuses_costs_it_cannot_model_with(tmp_path, change):
+    """A saved calibration with a zero IOPS figure loaded fine and then crashed every replay and tune with a
+    ZeroDivisionError (an empty one with a ValueError, NaN gave NaN times); default_model falls back to the
+    built-in figures instead."""
+    d = costmodel.CostModel().to_dict()
+    d.update(change)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(embstore.InvalidInputError, match="cost model"):
+        costmodel.load(path)
+    assert costmodel.default_model(path) == costmodel.CostModel()
+
+
+def test_costmodel_file_that_is_not_utf8_falls_back_too(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_bytes(b"\xff\xfe{")
+    with pytest.raises(embstore.InvalidInputError, match="not readable"):
+        costmodel.load(path)
+    assert costmodel.default_model(path) == costmodel.CostModel()
+
+
+def test_tune_names_a_table_whose_ids_no_store_table_can_hold():
+    """Ids at or above 2**62 used to be tuned and then fail in config() with a bare num_embeddings error."""
+    ok = traces.Trace(np.array([5, 2**62 - 1, 5], np.int64), np.zeros(3, np.int32), np.array([0, 1, 3]), ("a",))
+    assert tune(ok, 1 << 30, row_bytes=16).config().tables[0].num_embeddings == 2**62
+    for top in (2**62, 2**63 - 1):
+        tr = traces.Trace(np.array([5, top, 5], np.int64), np.zeros(3, np.int32), np.array([0, 1, 3]), ("a",))
+        with pytest.raises(embstore.InvalidInputError, match="table 'a'.*hash"):
+            tune(tr, 1 << 30, row_bytes=16)

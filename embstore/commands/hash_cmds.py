@@ -98,10 +98,15 @@ def load_ids(path: Path, table: str | None, batch_size: int | None = None) -> tu
     if path.suffix == ".npy":
         try:
             arr = np.load(path, allow_pickle=False)
-        except ValueError as exc:
+        except (ValueError, EOFError) as exc:  # EOFError: an empty file
             raise _UsageError(f"{str(path)!r} is not a readable .npy file: {exc}") from None
+        if not isinstance(arr, np.ndarray):  # a zip archive (.npz) opens as an NpzFile
+            arr.close()
+            raise _UsageError(f"{str(path)!r} is a zip archive (an .npz?), not a .npy array of ids")
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise _UsageError(f"{str(path)!r} must hold a 1-D integer array of ids, got {arr.dtype} {arr.shape}")
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > 2**63 - 1:  # would wrap to negative ids
+            raise _UsageError(f"{str(path)!r} holds ids above 2**63 - 1; ids are int64")
         if table not in (None, "0") or batch_size is not None:
             raise _UsageError("a .npy trace holds one table and no batches; drop --table and --batch-size")
         return np.ascontiguousarray(arr, np.int64), None, "0"
@@ -128,6 +133,8 @@ def run_fit(args: argparse.Namespace) -> int:
         trace_path, out = Path(args.trace), Path(args.out)
         if not out.parent.is_dir():
             raise _UsageError(f"--out: directory {str(out.parent)!r} does not exist")
+        if out.is_dir():  # checked before the fit, which may take minutes
+            raise _UsageError(f"--out: {str(out)!r} is a directory; name the mapping file to write")
         log(f"reading {trace_path}")
         ids, offsets, label = load_ids(trace_path, args.table, args.batch_size)
         if ids.size == 0:

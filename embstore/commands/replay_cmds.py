@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -55,6 +56,32 @@ def _capacities(text: str) -> list[int | float]:
     return out
 
 
+_ZERO_SIZE = re.compile(r"\s*0+(\.0*)?\s*([KMGT]i)?B?\s*", re.IGNORECASE)
+
+
+def _budget(text: str) -> int:
+    """A byte budget like ``byte_size``, where 0 (none of that memory) is allowed too: ``--device 0`` is
+    the default, and ``byte_size`` refuses sizes that are not positive."""
+    if _ZERO_SIZE.fullmatch(text):
+        return 0
+    return byte_size(text)
+
+
+def _check_output(path: str | None, flag: str, suffix: str | None = None) -> None:
+    """Refuse an output path that cannot be written before the work, not after it (replay and tune
+    take minutes on real traces)."""
+    if path is None:
+        return
+    p = Path(path)
+    if suffix is not None and p.suffix.lower() != suffix:
+        raise InvalidInputError(f"{flag} writes a {suffix[1:].upper()}; give a file name ending in {suffix}, "
+                                f"got {path!r}")
+    if p.is_dir() or path.endswith("/"):
+        raise InvalidInputError(f"{flag}: {path!r} is a directory; name the file to write")
+    if not p.resolve().parent.is_dir():
+        raise InvalidInputError(f"{flag}: directory {str(p.parent)!r} does not exist")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser(
         "replay", help="replay a trace through cache sizes and policies",
@@ -87,8 +114,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "sparse id spaces, else ssd) and write the result as a store TOML.",
         epilog="example: embstore tune t.npz --dram 2GiB --device 256MiB --dim 64 --out store.toml")
     t.add_argument("trace", help="trace file")
-    t.add_argument("--dram", type=byte_size, required=True, help="DRAM budget, e.g. 2GiB")
-    t.add_argument("--device", type=byte_size, default=0, help="device (accelerator) budget, e.g. 256MiB")
+    t.add_argument("--dram", type=_budget, required=True, help="DRAM budget, e.g. 2GiB")
+    t.add_argument("--device", type=_budget, default=0, help="device (accelerator) budget, e.g. 256MiB")
     t.add_argument("--row-bytes", type=positive_int, default=None, help="bytes per row (float32: 4 x dim)")
     t.add_argument("--dim", type=positive_int, default=None, help="embedding dimension (default 64)")
     t.add_argument("--dtype", choices=[d.value for d in RowDType], default="float32")
@@ -113,6 +140,7 @@ def _simulated_rows(rows: int, unique: int) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    _check_output(args.plot, "--plot", ".png")
     trace = traces.load(args.trace, batch_size=args.batch_size)
     cost = costmodel.default_model()
     groups: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -187,8 +215,7 @@ def _plot(groups, policies: list[str], path: str, marks: list[int | float] = ())
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if Path(path).suffix.lower() != ".png":
-        raise InvalidInputError(f"--plot writes a PNG; give a file name ending in .png, got {path!r}")
+    _check_output(path, "--plot", ".png")
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
     with progress_bar(total=len(groups) * (len(policies) + 1), desc="curves", unit="curve", leave=False) as bar:
         for ax, (name, k, o) in zip(axes[0], groups):
@@ -220,6 +247,7 @@ def _span(sizes: list[int]) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    _check_output(args.out, "--out")
     trace = traces.load(args.trace, batch_size=args.batch_size)
     if args.row_bytes is not None and args.dim is not None:
         raise InvalidInputError("give --row-bytes or --dim (with --dtype), not both")
