@@ -144,6 +144,23 @@ def test_resume_skip_holdout_split_and_gzip(tmp_path):
     assert sorted(round(math.expm1(r[0][0])) for r in train + held) == list(range(57))
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not_gzip"])
+def test_a_damaged_gzip_file_is_a_typed_error(tmp_path, damage):
+    """A gzip stream cut short (or a plain file named .gz) loses the rest of the file: no line to skip, so a
+    typed error naming the file rather than gzip's EOFError (which the CLI would print as a traceback)."""
+    import embstore
+
+    text = "".join(line(label=str(i % 2)) for i in range(300)).encode()
+    p = tmp_path / "d.tsv.gz"
+    if damage == "truncated":
+        whole = gzip.compress(text)
+        p.write_bytes(whole[:len(whole) // 2])
+    else:
+        p.write_bytes(text)
+    with pytest.raises(embstore.InvalidInputError, match="d.tsv.gz.*truncated or corrupt gzip"):
+        list(CriteoReader(p, 16, ND, NS))
+
+
 def test_parse_lines_vectorised_shapes():
     parsed, bad, blank = parse_lines([line(), line(label="0")], ND, NS)
     assert (parsed.n, bad, blank) == (2, 0, 0) and parsed.lengths.shape == (NS, 2)

@@ -99,6 +99,20 @@ def test_one_step_updates_dense_by_torch_and_rows_by_the_ebc(tmp_path, interacti
     assert any(not torch.equal(p, q) for p, q in zip(params, before_dense))
 
 
+def test_malformed_dense_input_is_a_typed_error(tmp_path):
+    """Wrong dense shapes, dtypes or a batch that disagrees with the bags: InvalidInputError, not torch's
+    shape errors from deep inside the MLP or the interaction."""
+    _, model = small_dlrm(tmp_path, "dot")
+    ids = [torch.tensor([1, 2, 2, 7]), torch.tensor([3, 4])]
+    offs = [torch.tensor([0, 2, 4]), torch.tensor([0, 1, 2])]
+    assert model(torch.randn(2, 3), ids, offs).shape == (2,)
+    for dense in (torch.randn(3, 3), torch.randn(2, 5), torch.randn(2), torch.ones(2, 3, dtype=torch.int64),
+                  torch.randn(2, 3, dtype=torch.float64), np.zeros((2, 3), np.float32)):
+        with pytest.raises(InvalidInputError, match="dense"):
+            model(dense, ids, offs)
+    assert model(torch.randn(2, 3), ids, offs).shape == (2,)  # a refused batch leaves nothing behind
+
+
 def test_dense_optimizer_names():
     p = [torch.nn.Parameter(torch.zeros(2))]
     assert isinstance(dense_optimizer("adam", p, 0.1), torch.optim.Adam)

@@ -122,6 +122,18 @@ def test_existing_store_needs_resume(tmp_path):
     (('batch_size = 256', 'batch_size = true'), "data.batch_size"),
     (('num_embeddings = 1000', 'num_embeddings = 0'), "table.num_embeddings"),
     (('lookahead = 2', 'lookahead = -1'), "schedule.lookahead"),
+    (('seed = 3', 'seed = -1'), "schedule.seed"),
+    (('bag_max = 2', 'bag_max = 2\nzipf_alpha = nan'), "data.zipf_alpha"),
+    (('bag_max = 2', 'bag_max = 2\nsignal = inf'), "data.signal"),
+    (('bag_max = 2', 'bag_max = 2\nid_space = ["x", 5, 5]'), "data.id_space"),
+    (('bag_max = 2', 'bag_max = 2\nid_space = [10.5, 5, 5]'), "data.id_space"),
+    (('bag_max = 2', 'bag_max = 2\nid_space = [5000, 5, 5]'), "data.id_space"),  # "a" has 1000 rows, no hash
+    (('bag_max = 2', 'bag_max = 2\nnum_dense = -2'), "data.num_dense"),
+    (('bag_max = 2', 'bag_max = 2\neval_max_batches = -1'), "data.eval_max_batches"),
+    (('bag_max = 2', 'bag_max = 2\ntrain_paths = [1]'), "data.train_paths"),
+    (('dcn_layers = 2', 'dcn_layers = 0'), "model.dcn_layers"),
+    (('dcn_low_rank = 4', 'dcn_low_rank = -1'), "model.dcn_low_rank"),
+    (('dense_arch = [16, 8]', 'dense_arch = [16, 4]'), "model.dense_arch"),
 ])
 def test_config_errors_name_the_key(tmp_path, edit, key):
     p = tmp_path / "cfg.toml"
@@ -129,6 +141,25 @@ def test_config_errors_name_the_key(tmp_path, edit, key):
     with pytest.raises(ConfigError) as err:
         TrainConfig.from_toml(p)
     assert err.value.key == key
+
+
+def test_hashed_table_takes_any_id_space(tmp_path):
+    p = tmp_path / "cfg.toml"
+    p.write_text(config_text().replace("bag_max = 2", "bag_max = 2\nid_space = [1000, 500, 1_000_000_000]"))
+    assert TrainConfig.from_toml(p).data.id_space == (1000, 500, 10**9)
+
+
+def test_empty_held_out_split_is_a_config_error(tmp_path):
+    """Criteo data whose every line is malformed leaves nothing to evaluate: a typed error, not torch.cat's."""
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t2\n" * 7)
+    text = config_text(batches=2).replace('kind = "synthetic"',
+                                          f'kind = "criteo"\ntrain_paths = ["{bad}"]\nholdout_every = 3')
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(text)
+    with pytest.raises(ConfigError, match="held-out split has no samples") as err:
+        train(TrainConfig.from_toml(cfg_path), tmp_path / "out", progress=False)
+    assert err.value.key == "data"
 
 
 def test_example_configs_parse():

@@ -165,6 +165,20 @@ def test_qr_hashed_table_trains_like_torch(tmp_path) -> None:
     store.close()
 
 
+def test_qr_hashed_table_trains_on_a_batch_without_ids(tmp_path) -> None:
+    """Every bag empty: zeros out, a step that changes no row (the combine's reshape must size n = 0)."""
+    store = make_store(tmp_path / "s", [("q", 1000, DIM)], RESIDENT,
+                       extra='hash = { kind = "qr", collisions = 8 }\n')
+    before = stored_rows(store, "q")
+    ebc = TieredEmbeddingBagCollection(store, ["q"], optimizer="sgd", lr=0.5)
+    out = ebc([torch.zeros(0, dtype=torch.int64)], [torch.zeros(3, dtype=torch.int64)])
+    assert out.shape == (2, 1, DIM) and not out.any()
+    out.sum().backward()
+    ebc.flush()
+    assert np.array_equal(stored_rows(store, "q"), before)
+    store.close()
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_checkpoint_resume_is_bit_identical(tmp_path, optimizer) -> None:
     batches = random_batches(11, 10, [ROWS, ROWS], batch=16, max_len=6, dim=DIM)
@@ -231,7 +245,7 @@ def test_bad_inputs_raise_typed_errors(tmp_path) -> None:
 
 @pytest.mark.parametrize("kwargs", [dict(lr=-0.1), dict(lr=float("nan")), dict(lr=float("inf")), dict(eps=-1.0),
                                     dict(betas=(1.0, 0.9)), dict(betas=(0.9,)), dict(weight_decay=float("nan")),
-                                    dict(lr="fast")])
+                                    dict(lr="fast"), dict(lr=1e300), dict(weight_decay=1e39)])  # inf in float32
 def test_bad_hyper_parameters_are_refused(tmp_path, kwargs) -> None:
     store = make_store(tmp_path / "s", [("a", ROWS, DIM)], RESIDENT)
     with pytest.raises(embstore.InvalidInputError, match="lr|eps|betas|weight_decay"):
@@ -297,4 +311,48 @@ def test_rejected_batch_leaves_nothing_pinned(tmp_path) -> None:
         ebc([ok, torch.tensor([1, -1])], [ok, ok])
     ebc([ok, ok], [ok, ok]).sum().backward()
     assert ebc.stats()["working_set_rows"] == {"a": 0, "b": 0} and ebc.steps == 1
+    store.close()
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda e: e["optimizer"].update(lr=float("nan")),
+    lambda e: e["optimizer"].update(adam_step="zz"),
+    lambda e: e["optimizer"].update(beta1=1.5),
+    lambda e: e["optimizer"].update(bogus=1),
+    lambda e: e.update(pooling="max"),
+    lambda e: e.update(lookahead=-3),
+    lambda e: e.update(steps=-1),
+    lambda e: e.pop("steps"),
+], ids=["lr-nan", "adam-step", "beta1", "unknown-key", "pooling", "lookahead", "steps", "missing-key"])
+def test_a_corrupt_checkpoint_state_is_refused_and_changes_nothing(tmp_path, corrupt) -> None:
+    """load_state_dict checks a checkpoint's settings as the constructor checks its arguments: a NaN lr or a
+    pooling mode the kernels do not know would otherwise train (or pool) silently wrong."""
+    import copy
+
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM)], RESIDENT)
+    ebc = TieredEmbeddingBagCollection(store, ["a"], optimizer="adam", lr=0.03)
+    sd = copy.deepcopy(ebc.state_dict())
+    corrupt(sd["_extra_state"])
+    before = (ebc.optim, ebc.pooling, ebc.lookahead, ebc.steps)
+    with pytest.raises(embstore.InvalidInputError):
+        ebc.load_state_dict(sd)
+    assert (ebc.optim, ebc.pooling, ebc.lookahead, ebc.steps) == before
+    store.close()
+
+
+def test_malformed_settings_and_batches_raise_typed_errors(tmp_path) -> None:
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM), ("b", ROWS, DIM)], RESIDENT)
+    for kwargs in (dict(lookahead="2"), dict(lookahead=1.5), dict(betas=None)):
+        with pytest.raises(embstore.InvalidInputError, match="lookahead|betas"):
+            TieredEmbeddingBagCollection(store, ["a"], optimizer="adam", **kwargs)
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"])
+    with pytest.raises(embstore.InvalidInputError, match="lookahead"):
+        next(ebc.pipeline([], lookahead="x"))
+    with pytest.raises(embstore.InvalidInputError, match="sparse"):
+        next(ebc.pipeline([1, 2], lookahead=1))  # a batch that is no (ids, offsets) pair
+    one, ones = torch.tensor([1, 2]), torch.tensor([1, 1])
+    for keys in ("ab", None, [0, 1]):  # a string would split into one-letter keys
+        with pytest.raises(embstore.InvalidInputError, match="keys"):
+            ebc(KeyedJaggedBatch(keys, one, ones))
+    assert ebc.stats()["working_set_rows"] == {"a": 0, "b": 0}
     store.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -163,3 +166,67 @@ def test_a_failed_write_behind_surfaces_as_disk_full(tiny_tmpfs) -> None:
         store.close()
     except embstore.TierIOError:
         pass  # closing flushes again, into the same full disk
+
+
+@pytest.mark.parametrize("leave", ["break", "iterator_raises", "step_raises"])
+def test_a_pipeline_left_early_drops_its_look_ahead(tmp_path, caplog, leave) -> None:
+    """Leaving a pipeline loop early unqueues the batches it prefetched but never yielded: the next pipeline's
+    prefetches match again (no demand fetches), the window empties, and training stays exact."""
+    batches = random_batches(7, 12, [ROWS, ROWS], batch=16, max_len=6, dim=DIM)
+    store = cold_store(tmp_path / "s")
+    init = [initial_weights(store, n) for n in ("a", "b")]
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer="rowwise_adagrad", lr=0.1)
+    ref = TorchReference(init, "rowwise_adagrad", 0.1)
+
+    def first_part():
+        for i, b in enumerate(batches[:6]):
+            if i == 3 and leave == "iterator_raises":
+                raise OSError("reader failed")
+            yield b
+
+    with pytest.raises(OSError) if leave != "break" else contextlib.nullcontext():
+        for i, (ids, offs, w) in enumerate(ebc.pipeline(first_part(), lookahead=3, sparse=lambda b: b[:2])):
+            if i == 2 and leave == "step_raises":
+                raise OSError("step failed")
+            loss_of(ebc(ids, offs), w).backward()
+            ref.step(ids, offs, w)
+            if i == 1 and leave == "break":
+                break
+    assert ebc._queue == collections.deque()
+    misses = ebc.counters["demand_misses"]
+    caplog.clear()
+    for ids, offs, w in ebc.pipeline(batches[6:], lookahead=3, sparse=lambda b: b[:2]):
+        loss_of(ebc(ids, offs), w).backward()
+        ref.step(ids, offs, w)
+    assert "other than the next prefetched" not in caplog.text
+    assert ebc.counters["demand_misses"] == misses
+    assert ebc.stats()["working_set_rows"] == {"a": 0, "b": 0}
+    ebc.flush()
+    for n, want in zip(("a", "b"), ref.weights()):
+        assert rel_err(store[n].read_with_state(np.arange(ROWS))[0], want) <= 1e-5
+    store.close()
+
+
+def test_a_failed_prefetch_raises_and_unpins_its_batch(tmp_path) -> None:
+    import embstore
+
+    batches = random_batches(8, 6, [ROWS, ROWS], batch=16, max_len=6, dim=DIM)
+    store = cold_store(tmp_path / "s")
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer="rowwise_adagrad", lr=0.1)
+    table = ebc.tables[0]
+    inner, calls = table.read_with_state, []
+
+    def failing(rows):
+        calls.append(len(rows))
+        if len(calls) == 3:
+            raise embstore.InvalidInputError("simulated read failure")
+        return inner(rows)
+    table.read_with_state = failing
+    with pytest.raises(embstore.InvalidInputError, match="simulated"):
+        for ids, offs, w in ebc.pipeline(batches, lookahead=2, sparse=lambda b: b[:2]):
+            loss_of(ebc(ids, offs), w).backward()
+    for ids, offs, w in ebc.pipeline(batches, lookahead=2, sparse=lambda b: b[:2]):
+        loss_of(ebc(ids, offs), w).backward()
+    assert ebc._pending == {} and ebc.stats()["working_set_rows"] == {"a": 0, "b": 0}
+    ebc.release()
+    store.close()

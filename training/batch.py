@@ -33,6 +33,9 @@ class KeyedJaggedBatch:
 
     def split(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """key -> (ids, offsets with num_bags + 1 entries), validated."""
+        if isinstance(self.keys, str) or not isinstance(self.keys, Sequence) \
+                or not all(isinstance(k, str) for k in self.keys):
+            raise InvalidInputError(f"keys must be a list of table names, got {self.keys!r}")
         vals, _ = as_ids(self.values, "values")
         lens, _ = as_ids(self.lengths, "lengths")
         nk = len(self.keys)

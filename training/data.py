@@ -38,6 +38,7 @@ import itertools
 import logging
 import math
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -259,7 +260,11 @@ class CriteoReader:
         for path in self.paths:
             with _open_text(path) as f:
                 while True:
-                    lines = list(itertools.islice(f, self.chunk_lines))
+                    try:
+                        lines = list(itertools.islice(f, self.chunk_lines))
+                    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:  # not a line to skip: the rest is lost
+                        raise InvalidInputError(f"Criteo data file {str(path)!r} is a truncated or corrupt gzip "
+                                                f"file ({exc})") from None
                     if not lines:
                         break
                     first = self.stats.lines

@@ -149,6 +149,7 @@ class DLRM(nn.Module):
         if dense_arch[-1] != embedding_dim:
             raise InvalidInputError(f"dense_arch must end in the embedding dim {embedding_dim} (the bottom MLP "
                                     f"output interacts with the bags), got {dense_arch}")
+        self.dense_in_features = dense_in_features
         self.dense_arch = DenseArch(dense_in_features, dense_arch)
         self.sparse_arch = SparseArch(ebc)
         if interaction == "dot":
@@ -160,8 +161,16 @@ class DLRM(nn.Module):
         self.over_arch = OverArch(self.inter_arch.output_dim(embedding_dim), over_arch)
 
     def forward(self, dense: torch.Tensor, ids: Any, offsets: Any) -> torch.Tensor:
+        if not (isinstance(dense, torch.Tensor) and dense.dtype == torch.float32 and dense.dim() == 2
+                and dense.shape[1] == self.dense_in_features):
+            got = f"{dense.dtype} of shape {tuple(dense.shape)}" if hasattr(dense, "shape") else type(dense).__name__
+            raise InvalidInputError(f"dense must be a float32 tensor of shape (batch, {self.dense_in_features}), "
+                                    f"got {got}")
         d = self.dense_arch(dense)
         e = self.sparse_arch(ids, offsets)
+        if e.shape[0] != d.shape[0]:
+            raise InvalidInputError(f"dense has {d.shape[0]} samples but the sparse features have {e.shape[0]} bags "
+                                    "per table")
         return self.over_arch(self.inter_arch(d, e))
 
     def dense_parameters(self) -> list[nn.Parameter]:

@@ -65,6 +65,22 @@ class _Batch:
     retired: bool = False
 
 
+def _check_lookahead(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise InvalidInputError(f"lookahead must be an integer >= 0, got {k!r}")
+    return int(k)
+
+
+def _check_settings(optimizer: Any, pooling: Any, lookahead: Any, adam_step: Any) -> None:
+    """The module's non-numeric settings (the constructor's and a checkpoint's)."""
+    check_optimizer(optimizer)
+    if pooling not in POOLING:
+        raise InvalidInputError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
+    _check_lookahead(lookahead)
+    if adam_step not in ("row", "global"):
+        raise InvalidInputError(f"adam_step must be 'row' or 'global', got {adam_step!r}")
+
+
 class _GatherRows(torch.autograd.Function):
     """Forward: the batch's unique rows as one working tensor. Backward: apply the optimizer to them."""
 
@@ -128,15 +144,9 @@ class TieredEmbeddingBagCollection(nn.Module):
                  eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
                  pooling: str = "sum", lookahead: int = 0, adam_step: str = "row") -> None:
         super().__init__()
-        check_optimizer(optimizer)
-        if pooling not in POOLING:
-            raise InvalidInputError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
         if not tables or len(set(tables)) != len(tables):
             raise InvalidInputError(f"tables must be a non-empty list of distinct names, got {list(tables)}")
-        if int(lookahead) < 0:
-            raise InvalidInputError(f"lookahead must be >= 0, got {lookahead}")
-        if adam_step not in ("row", "global"):
-            raise InvalidInputError(f"adam_step must be 'row' or 'global', got {adam_step!r}")
+        _check_settings(optimizer, pooling, lookahead, adam_step)
         check_hyperparameters(lr, eps, betas, weight_decay)
         self.store = store
         self.table_names = list(tables)
@@ -219,6 +229,10 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def prefetch(self, ids: Any, offsets: Any = None) -> None:
         """Add a future batch to the look-ahead window; its rows are fetched in a background thread."""
+        self._prefetch(ids, offsets)
+
+    def _prefetch(self, ids: Any, offsets: Any = None) -> _Batch:
+        """``prefetch``, returning the queued batch (``pipeline`` drops the ones it never yields)."""
         id_list, off_list = normalize(self.table_names, ids, offsets)
         batch = self._new_batch(id_list, off_list)
         try:
@@ -230,6 +244,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         if self._executor is None:
             self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="embstore-prefetch")
         batch.future = self._executor.submit(self._fetch, batch)
+        return batch
 
     def pipeline(self, batches: Iterable[Any], lookahead: int | None = None,
                  sparse: Callable[[Any], Any] | None = None) -> Iterator[Any]:
@@ -238,12 +253,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         ``sparse(batch)`` gives the part :meth:`forward` takes: an (ids, offsets)
         pair or a KeyedJaggedBatch (default: the batch itself).
         """
-        k = self.lookahead if lookahead is None else int(lookahead)
-        if k < 0:
-            raise InvalidInputError(f"lookahead must be >= 0, got {k}")
+        k = self.lookahead if lookahead is None else _check_lookahead(lookahead)
         get = sparse or (lambda b: b)
         it = iter(batches)
         window: collections.deque[Any] = collections.deque()
+        queued: list[_Batch] = []  # what this pipeline prefetched
 
         def pull() -> bool:
             try:
@@ -252,15 +266,22 @@ class TieredEmbeddingBagCollection(nn.Module):
                 return False
             if k:
                 s = get(b)
-                self.prefetch(s) if isinstance(s, KeyedJaggedBatch) else self.prefetch(*s)
+                if not isinstance(s, KeyedJaggedBatch) and not (isinstance(s, (tuple, list)) and len(s) == 2):
+                    raise InvalidInputError("pipeline: the sparse part of a batch must be an (ids, offsets) pair or a "
+                                            f"KeyedJaggedBatch (pass sparse=...), got {type(s).__name__}")
+                queued[:] = [q for q in queued if not q.retired]  # forwarded and stepped: done with
+                queued.append(self._prefetch(s) if isinstance(s, KeyedJaggedBatch) else self._prefetch(*s))
             window.append(b)
             return True
 
-        while len(window) < k + 1 and pull():
-            pass
-        while window:
-            yield window.popleft()
-            pull()
+        try:
+            while len(window) < k + 1 and pull():
+                pass
+            while window:
+                yield window.popleft()
+                pull()
+        finally:  # a loop left early (break, an exception) must not leave its look-ahead pinned in the queue
+            self._drop_prefetched(queued)
 
     def flush(self) -> None:
         """Write every dirty working-set row (with its state) back and make the tables durable."""
@@ -299,16 +320,23 @@ class TieredEmbeddingBagCollection(nn.Module):
                 "lookahead": self.lookahead, "steps": self.steps, "counters": dict(self.counters)}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        if list(state["tables"]) != self.table_names:
-            raise InvalidInputError(f"checkpoint is for tables {state['tables']}, this module has {self.table_names}")
-        if state["optimizer"]["name"] != self.optim.name:
-            raise InvalidInputError(f"checkpoint was trained with {state['optimizer']['name']!r}, this module "
+        """Restore a checkpoint's settings, checked like the constructor's arguments (nothing changes on error)."""
+        try:
+            tables, optim, pooling = list(state["tables"]), OptimConfig(**state["optimizer"]), state["pooling"]
+            lookahead, steps, counters = state["lookahead"], int(state["steps"]), dict(state["counters"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInputError(f"not a TieredEmbeddingBagCollection checkpoint state: {exc!r}") from None
+        if tables != self.table_names:
+            raise InvalidInputError(f"checkpoint is for tables {tables}, this module has {self.table_names}")
+        if optim.name != self.optim.name:
+            raise InvalidInputError(f"checkpoint was trained with {optim.name!r}, this module "
                                     f"uses {self.optim.name!r} (the stored optimizer state would not match)")
-        self.optim = OptimConfig(**state["optimizer"])
-        self.pooling = state["pooling"]
-        self.lookahead = int(state["lookahead"])
-        self.steps = int(state["steps"])
-        self.counters = dict(state["counters"])
+        _check_settings(optim.name, pooling, lookahead, optim.adam_step)
+        check_hyperparameters(optim.lr, optim.eps, (optim.beta1, optim.beta2), optim.weight_decay)
+        if steps < 0:
+            raise InvalidInputError(f"checkpoint steps must be >= 0, got {steps}")
+        self.optim, self.pooling, self.lookahead = optim, pooling, int(lookahead)
+        self.steps, self.counters = steps, counters
 
     # --- internals -------------------------------------------------------------------
     def _new_batch(self, id_list: list[np.ndarray], off_list: list[np.ndarray]) -> _Batch:
@@ -366,12 +394,29 @@ class TieredEmbeddingBagCollection(nn.Module):
         assert b.future is not None
         if not b.future.done():
             t0 = time.perf_counter()
-            b.future.result()
+            cf.wait([b.future])
             self.counters["stall_s"] += time.perf_counter() - t0
             self.counters["late_rows"] += b.fetched
-        b.future.result()  # re-raise a failed prefetch
+        if b.future.exception() is not None:  # re-raise a failed prefetch, its rows unpinned
+            self._retire(b)
+            b.future.result()
         self.counters["prefetched_rows"] += b.fetched
         return b
+
+    def _drop_prefetched(self, batches: Sequence[_Batch]) -> None:
+        """Take ``batches`` that are still queued (prefetched, never forwarded) out of the window.
+
+        A stale batch at the head of the queue would stop every later prefetch
+        from matching and keep its rows (and every newer one) pinned for good.
+        """
+        drop = [b for b in batches if any(b is q for q in self._queue)]
+        if not drop:
+            return
+        self._queue = collections.deque(q for q in self._queue if not any(q is b for b in drop))
+        for b in drop:
+            if b.future is not None:
+                cf.wait([b.future])  # its fetch fills slots that retiring frees; a failed read concerns no one
+            self._retire(b)
 
     def _drain(self) -> None:
         """Wait until no prefetch or write-back is in flight (a demand fetch must not race one)."""
@@ -453,7 +498,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         inv = torch.from_numpy(batch.inv[t]).to(dev)
         if table.mapper is not None and table.mapper.rows_per_id != 1:
             n = len(batch.ids[t])
-            emb = table.mapper.combine(w[inv].view(n, table.mapper.rows_per_id, -1))
+            emb = table.mapper.combine(w[inv].view(n, table.mapper.rows_per_id, w.shape[1]))  # explicit: n may be 0
             idx = torch.arange(n, device=dev)
             return F.embedding_bag(idx, emb, offs, mode=self.pooling, include_last_offset=True)
         return F.embedding_bag(inv, w, offs, mode=self.pooling, include_last_offset=True)

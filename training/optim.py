@@ -29,6 +29,7 @@ import torch
 from embstore.errors import InvalidInputError, InvalidRowsError
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 DEFAULT_EPS = {"sgd": 0.0, "rowwise_adagrad": 1e-8, "adagrad": 1e-10, "adam": 1e-8}
 
 
@@ -44,21 +45,26 @@ def check_optimizer(name: str) -> str:
 
 
 def check_hyperparameters(lr: float, eps: float | None, betas: tuple[float, float], weight_decay: float) -> None:
-    """Refuse values that would quietly wreck every row trained: a NaN, a negative step, betas outside [0, 1)."""
-    def number(name: str, value: object, low: float, high: float = math.inf, high_open: bool = False) -> None:
-        """``high`` is only used with ``high_open``."""
+    """Refuse values that would quietly wreck every row trained: a NaN, a negative step, betas outside [0, 1),
+    a value past float32's range (the kernels step in float32, where it is inf and turns every row it touches
+    into inf or NaN)."""
+    def number(name: str, value: object, low: float, high: float = _FLOAT32_MAX, high_open: bool = False) -> None:
         try:
             x = float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise InvalidInputError(f"{name} must be a number, got {value!r}") from None
         if not math.isfinite(x) or not (low <= x < high if high_open else low <= x <= high):
-            where = f"in [{low:g}, {high:g})" if high_open else f">= {low:g}"
+            where = f"in [{low:g}, {high:g})" if high_open else f"in [{low:g}, {high:g}] (float32)"
             raise InvalidInputError(f"{name} must be a finite number {where}, got {value!r}")
 
     number("lr", lr, 0.0)
     if eps is not None:
         number("eps", eps, 0.0)
     number("weight_decay", weight_decay, 0.0)
+    try:
+        betas = tuple(betas)
+    except TypeError:
+        raise InvalidInputError(f"betas must be two numbers, got {betas!r}") from None
     if len(betas) != 2:
         raise InvalidInputError(f"betas must be two numbers, got {betas!r}")
     number("betas[0]", betas[0], 0.0, 1.0, high_open=True)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import embstore
 from embstore.atomic import atomic_file, atomic_write
 from embstore.progress import progress_bar
-from embstore.config import StoreConfig, TableConfig, read_toml
+from embstore.config import HashKind, StoreConfig, TableConfig, read_toml
 from embstore.errors import ConfigError
 from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader, SyntheticClicks
@@ -78,8 +78,8 @@ def _from_dict(cls: type, data: Mapping[str, Any], where: str) -> Any:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(key, f"expected an integer, got {value!r}")
         elif isinstance(default, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(key, f"expected a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(key, f"expected a finite number, got {value!r}")  # TOML has nan and inf
             value = float(value)
         elif isinstance(default, str) and not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {value!r}")
@@ -122,7 +122,17 @@ class DataConfig:
         if self.kind not in ("synthetic", "criteo"):
             raise ConfigError("data.kind", f"{self.kind!r} is not one of 'synthetic', 'criteo'")
         _positive("data", batch_size=self.batch_size, train_batches=self.train_batches,
-                  eval_batches=self.eval_batches)
+                  eval_batches=self.eval_batches, num_dense=self.num_dense)
+        for key in ("bag_min", "signal_tables", "holdout_every", "eval_max_batches"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"data.{key}", f"must be >= 0, got {getattr(self, key)}")
+        if self.zipf_alpha < 0:
+            raise ConfigError("data.zipf_alpha", f"must be >= 0, got {self.zipf_alpha}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.id_space):
+            raise ConfigError("data.id_space", f"must list positive integers, got {list(self.id_space)}")
+        for key in ("train_paths", "eval_paths"):
+            if not all(isinstance(x, str) for x in getattr(self, key)):
+                raise ConfigError(f"data.{key}", f"must be a list of file paths, got {list(getattr(self, key))}")
         if self.kind == "criteo":
             if not self.train_paths:
                 raise ConfigError("data.train_paths", "criteo data needs train_paths = ['day_0.tsv', ...]")
@@ -157,6 +167,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{key}", f"must be a non-empty list of positive ints, got {list(v)}")
         if self.over_arch[-1] != 1:
             raise ConfigError("model.over_arch", f"must end in 1 (one logit), got {list(self.over_arch)}")
+        _positive("model", dcn_layers=self.dcn_layers)
+        if self.dcn_low_rank < 0:
+            raise ConfigError("model.dcn_low_rank", f"must be >= 0 (0 = full rank), got {self.dcn_low_rank}")
 
 
 @dataclass(frozen=True)
@@ -201,7 +214,7 @@ class ScheduleConfig:
 
     def __post_init__(self) -> None:
         _positive("schedule", epochs=self.epochs)
-        for key in ("steps", "eval_every", "checkpoint_every", "lookahead"):
+        for key in ("steps", "eval_every", "checkpoint_every", "lookahead", "seed"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"schedule.{key}", f"must be >= 0, got {getattr(self, key)}")
         if self.checkpoint_store not in ("copy", "in_place"):
@@ -217,6 +230,24 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     store: StoreSection = field(default_factory=StoreSection)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def __post_init__(self) -> None:
+        """Checks across sections, made before a store is created (a failure later would leave one behind)."""
+        tables = self.store.tables
+        if not tables:
+            return
+        dim = tables[0].dim
+        if self.model.dense_arch[-1] != dim:
+            raise ConfigError("model.dense_arch",
+                              f"must end in the embedding dim {dim}, got {list(self.model.dense_arch)}")
+        space = self.data.id_space
+        if self.data.kind == "synthetic" and space:
+            if len(space) != len(tables):
+                raise ConfigError("data.id_space", f"one entry per table ({len(tables)}), got {len(space)}")
+            for t, n in zip(tables, space):
+                if t.hash.kind is HashKind.NONE and n > t.num_embeddings:
+                    raise ConfigError("data.id_space", f"{n} raw ids for table {t.name!r}, which has no hash and "
+                                                       f"{t.num_embeddings} rows; give it a hash or a smaller id_space")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
@@ -367,6 +398,9 @@ def run_eval(model: DLRM, batches: Iterator[ClickBatch], ctx: DistContext) -> Ev
         logits.append(model(dense, b.ids, b.offsets))
         labels.append(y)
     model.train()
+    if not logits:
+        raise ConfigError("data", "the held-out split has no samples to evaluate on (check eval_paths, "
+                                  "holdout_every and eval_max_batches against the data)")
     z, y = torch.cat(logits), torch.cat(labels)
     if ctx.enabled:
         import torch.distributed as dist
