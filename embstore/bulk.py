@@ -24,11 +24,16 @@ Progress = Callable[[int], None]
 
 def _open_npy(path: str | os.PathLike) -> np.ndarray:
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        data = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         raise
     except (ValueError, OSError, EOFError) as exc:  # EOFError: an empty file
         raise InvalidInputError(f"{path}: not a readable .npy array ({exc})") from exc
+    if not isinstance(data, np.ndarray):  # np.load opens any zip (.npz, torch.save) as an NpzFile
+        data.close()
+        raise InvalidInputError(f"{path}: not a readable .npy array (a zip archive such as .npz; "
+                                "save one array with numpy.save)")
+    return data
 
 
 def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress: Progress | None = None) -> int:
@@ -48,6 +53,12 @@ def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress:
         if not np.isfinite(chunk).all():
             bad = lo + int(np.argwhere(~np.isfinite(chunk))[0][0])
             raise InvalidRowsError(f"{path}: row {bad} holds NaN or inf (or overflows float32); nothing imported")
+        try:  # the row format's own limits (float16's range), which write_physical would hit mid-import
+            table.format.check(chunk)
+        except InvalidRowsError as exc:
+            bad = lo + _first_refused_row(table, chunk)
+            reason = str(exc).split("; row ")[0]  # its row number counts from the chunk, not the file
+            raise InvalidRowsError(f"{path}: row {bad}: {reason}; nothing imported") from None
     for lo in range(0, n, CHUNK_ROWS):
         chunk = np.ascontiguousarray(data[lo:lo + CHUNK_ROWS], dtype=np.float32)
         table.write_physical(np.arange(start + lo, start + lo + len(chunk), dtype=np.int64), chunk)
@@ -55,6 +66,19 @@ def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress:
             progress(len(chunk))
     table.flush()
     return n
+
+
+def _first_refused_row(table: Table, chunk: np.ndarray) -> int:
+    """Index of the first row of ``chunk`` that ``table.format.check`` refuses (bisection over prefixes)."""
+    lo, hi = 0, len(chunk) - 1  # the whole chunk, chunk[:hi + 1], is refused
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            table.format.check(chunk[:mid + 1])
+            lo = mid + 1
+        except InvalidRowsError:
+            hi = mid
+    return lo
 
 
 def export_rows(table: Table, path: str | os.PathLike, rows: int | None = None,

@@ -221,6 +221,8 @@ class HashConfig:
             raise ConfigError("hash.collisions", f"must be an integer >= 1, got {self.collisions!r}")
         if self.combine not in ("mult", "add", "concat"):
             raise ConfigError("hash.combine", f"{self.combine!r} is not one of 'mult', 'add', 'concat'")
+        if self.mapping is not None and not isinstance(self.mapping, str):
+            raise ConfigError("hash.mapping", f"expected a file path (a string), got {self.mapping!r}")
         if self.kind is HashKind.LEARNED and not self.mapping:
             raise ConfigError("hash.mapping", "a learned hash needs mapping = 'path/to/file' (see `embstore hash fit`)")
 
@@ -267,9 +269,9 @@ class TableConfig:
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
                 raise ConfigError(f"table.{key}", f"must be an integer in [1, {hi}], got {v!r}")
         object.__setattr__(self, "dtype", _enum(RowDType, self.dtype, "table.dtype"))
-        if isinstance(self.init, Mapping):
+        if not isinstance(self.init, InitConfig):  # from_dict refuses anything but a TOML table
             object.__setattr__(self, "init", InitConfig.from_dict(self.init))
-        if isinstance(self.hash, Mapping):
+        if not isinstance(self.hash, HashConfig):
             object.__setattr__(self, "hash", HashConfig.from_dict(self.hash))
         tiers = tuple(t if isinstance(t, TierConfig) else TierConfig.from_dict(t) for t in self.tiers)
         object.__setattr__(self, "tiers", tiers)
@@ -329,7 +331,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # ENOTDIR: a parent in the path is a file
         raise ConfigError("config", f"file {name!r} does not exist") from None
     except IsADirectoryError:
         raise ConfigError("config", f"{name!r} is a directory, not a TOML file") from None
@@ -364,9 +366,9 @@ class StoreConfig:
 
     @classmethod
     def from_toml(cls, source: str | Path) -> "StoreConfig":
-        """Parse a TOML file path (or TOML text when it contains a newline or '[')."""
+        """Parse a TOML file path (or TOML text when it contains a newline, or a '[' and names no file)."""
         text = str(source)
-        if isinstance(source, Path) or ("\n" not in text and "[" not in text):
+        if isinstance(source, Path) or ("\n" not in text and ("[" not in text or _names_a_file(text))):
             return cls.from_dict(read_toml(text))
         return cls.from_dict(parse_toml(text))
 
@@ -375,6 +377,14 @@ class StoreConfig:
 
     def to_toml(self) -> str:
         return dumps_toml(self.to_dict())
+
+
+def _names_a_file(text: str) -> bool:
+    """Whether ``text`` is the path of something on disk (one-line TOML text is too long or odd for one)."""
+    try:
+        return Path(text).exists()
+    except (OSError, ValueError):  # ENAMETOOLONG, an embedded NUL
+        return False
 
 
 def _toml_value(v: Any) -> str:

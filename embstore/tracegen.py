@@ -61,12 +61,13 @@ import numpy.typing as npt
 from numba import njit
 
 from embstore.errors import InvalidInputError
-from embstore.traces import REUSE_THRESHOLDS, Trace, TraceStats, default_table_names
+from embstore.traces import MAX_DEFAULT_TABLES, REUSE_THRESHOLDS, Trace, TraceStats, default_table_names
 
 __all__ = ["PROFILES", "ReuseProfile", "generate"]
 
 _PAIRING_NOISE = 1.0  # std of the log-rank jitter when pairing ranks with counts
 _GRID = 1024  # quantile grid for solving a bin's power-law exponent
+MAX_ACCESSES = 1 << 40  # lookups in one generated trace (12 bytes each in memory)
 
 
 @dataclass(frozen=True)
@@ -348,8 +349,10 @@ def generate(like: str | ReuseProfile | None = None, *, zipf_alpha: float | None
     tables = _positive_int("tables", tables)
     id_space = _positive_int("ids", ids)
     pooling = _positive_int("pooling", pooling)
-    if tables > np.iinfo(np.int32).max:
-        raise InvalidInputError(f"tables must fit int32, got {tables}")
+    if tables > MAX_DEFAULT_TABLES:
+        raise InvalidInputError(f"tables must be at most {MAX_DEFAULT_TABLES:,}, got {tables}")
+    if id_space > np.iinfo(np.int64).max:  # ids are int64
+        raise InvalidInputError(f"ids must be at most 2**63 - 1, got {id_space}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
     if like is None and zipf_alpha is None:
@@ -369,6 +372,9 @@ def generate(like: str | ReuseProfile | None = None, *, zipf_alpha: float | None
 
     n_t = batch_size * pooling  # lookups per table per batch, and the most one row can take
     n = n_t * tables
+    if n * batches > MAX_ACCESSES:  # refused here, not by numpy's allocator with a traceback
+        raise InvalidInputError(f"batches * batch_size * pooling * tables = {n * batches:,} lookups; at most "
+                                f"{MAX_ACCESSES:,} fit one trace")
     if prof is not None:
         reach = [(k, q) for k, q in zip(prof.thresholds, prof.lookups_pct) if q > 0]
         if reach and n_t <= reach[-1][0]:

@@ -73,6 +73,10 @@ __all__ = [
 
 REUSE_THRESHOLDS: tuple[int, ...] = (1, 8, 32, 64, 256, 1024)
 FORMATS = ("npz", "meta", "csv")
+# Tables numbered ``table_0 ..`` when a trace names none. A bound, because the count comes from the
+# file (the largest table index, or the shape of Meta's lengths): one stray index of 2**31 - 1 in a
+# tiny file would otherwise build two billion names. Real workloads have hundreds of tables.
+MAX_DEFAULT_TABLES = 1 << 20
 
 
 def _int_array(x: Any, dtype: type, what: str) -> np.ndarray:
@@ -96,6 +100,10 @@ def _int_array(x: Any, dtype: type, what: str) -> np.ndarray:
 
 
 def default_table_names(n: int) -> tuple[str, ...]:
+    """``table_0 .. table_{n-1}``; more than :data:`MAX_DEFAULT_TABLES` is refused (give names)."""
+    if n > MAX_DEFAULT_TABLES:
+        raise InvalidInputError(f"{n:,} tables but no table_names; at most {MAX_DEFAULT_TABLES:,} tables are "
+                                "named table_0, table_1, .. by default")
     return tuple(f"table_{i}" for i in range(n))
 
 
@@ -357,7 +365,7 @@ def _load_meta(p: Path, batch_size: int | None) -> Trace:
 
 def _load_csv(p: Path) -> Trace:
     try:
-        with open(p, encoding="utf-8") as f:
+        with open(p, encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
             header = [h.strip().lower() for h in f.readline().strip().split(",")]
             if header not in (["table", "id"], ["table", "id", "batch"]):
                 raise InvalidInputError(f"trace file {str(p)!r}: expected the CSV header 'table,id' "
@@ -368,6 +376,8 @@ def _load_csv(p: Path) -> Trace:
                 rows = np.loadtxt(f, delimiter=",", dtype=np.str_, ndmin=2, comments=None)
     except UnicodeDecodeError as exc:
         raise CorruptStoreError(f"trace file {str(p)!r} is not a UTF-8 CSV file: {exc}") from exc
+    except InvalidInputError:  # the header check above (a ValueError too): already says what is wrong
+        raise
     except ValueError as exc:  # ragged rows
         raise InvalidInputError(f"trace file {str(p)!r}: malformed CSV: {exc}") from exc
     except OSError as exc:
@@ -382,9 +392,9 @@ def _load_csv(p: Path) -> Trace:
         try:
             return col.astype(np.int64)
         except (ValueError, OverflowError):
-            bad = next(i for i, s in enumerate(col.tolist()) if not _is_int(s))
+            bad = next(i for i, s in enumerate(col.tolist()) if not _is_int64(s))
             raise InvalidInputError(f"trace file {str(p)!r}: line {bad + 2}: {what} {str(col[bad])!r} is not an "
-                                    f"integer") from None
+                                    f"integer in the int64 range") from None
 
     ids = ints(rows[:, 1], "id")
     tcol = rows[:, 0]
@@ -416,6 +426,15 @@ def _is_int(s: str) -> bool:
         int(s)
         return True
     except ValueError:
+        return False
+
+
+def _is_int64(s: str) -> bool:
+    """Whether numpy casts ``s`` to int64 (``int()`` also takes 99999999999999999999): finds the bad cell."""
+    try:
+        np.array(s).astype(np.int64)
+        return True
+    except (ValueError, OverflowError):
         return False
 
 

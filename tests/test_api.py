@@ -378,3 +378,26 @@ def test_a_failed_open_releases_the_tables_it_opened(tmp_path) -> None:
     (home_b / "CURRENT.bak").rename(home_b / "CURRENT")  # repaired: the same process opens it again
     with embstore.open(tmp_path / "s") as store:
         assert store["a"].lookup(np.array([2], np.int64)).tolist() == [[1.0] * 4]
+
+
+@pytest.mark.parametrize("line, key", [('init = "uniform"', "init"), ("init = 5", "init"), ('hash = "mod"', "hash"),
+                                       ('hash = { kind = "learned", mapping = 5 }', "hash.mapping")])
+def test_init_and_hash_must_be_tables_with_a_string_mapping(line, key) -> None:
+    """``init = "uniform"`` or ``hash = "mod"`` passed validation and crashed later with an AttributeError
+    (``create`` printed a traceback); a numeric mapping path crashed with a TypeError."""
+    with pytest.raises(embstore.ConfigError) as err:
+        StoreConfig.from_toml(BASE.replace("dim = 8", f"dim = 8\n{line}"))
+    assert err.value.key == key
+
+
+def test_a_config_path_with_a_bracket_is_read_as_a_file(tmp_path) -> None:
+    """A one-line string with a '[' was taken for TOML text, so ``create(path, "runs[1].toml")`` failed
+    with "not valid TOML"."""
+    path = tmp_path / "runs[1].toml"
+    path.write_text(BASE)
+    assert StoreConfig.from_toml(str(path)) == StoreConfig.from_toml(BASE)
+    with embstore.create(tmp_path / "s", str(path)) as store:
+        assert list(store.tables) == ["t"]
+    (tmp_path / "plain.toml").write_text(BASE)
+    with pytest.raises(embstore.ConfigError, match="does not exist"):  # a file where a folder should be
+        StoreConfig.from_toml(str(tmp_path / "plain.toml" / "c.toml"))

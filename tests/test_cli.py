@@ -131,3 +131,94 @@ def test_help_of_every_verb() -> None:
         assert verb in top.stdout
         r = subprocess.run([sys.executable, "-m", "embstore.cli", verb, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and "usage: embstore " + verb in r.stdout
+
+
+def test_import_of_a_zip_archive_is_a_clear_error(store_path, tmp_path, capsys) -> None:
+    """np.load opens any zip (an .npz, a torch.save file) as an NpzFile: import crashed with an
+    AttributeError traceback (exit 1) instead of naming the file."""
+    import torch
+
+    np.savez(tmp_path / "rows.npz", rows=np.ones((4, 8), np.float32))
+    torch.save(torch.ones(4, 8), tmp_path / "rows.pt")
+    for name in ("rows.npz", "rows.pt"):
+        assert main(["import", str(store_path), "emb", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert name in err and "zip archive" in err and "Traceback" not in err
+
+
+def test_hash_fit_of_an_empty_npy_is_a_clear_error(tmp_path, capsys) -> None:
+    (tmp_path / "ids.npy").write_bytes(b"")
+    np.savez(tmp_path / "z.npy", ids=np.arange(10))  # an .npz under a .npy name
+    for name in ("ids.npy", "z.npy.npz"):
+        assert main(["hash", "fit", str(tmp_path / name), "--buckets", "10", "--out", str(tmp_path / "m"),
+                     "--quiet"]) == 2
+        assert "embstore hash fit: error:" in capsys.readouterr().err
+
+
+def test_export_refuses_the_store_own_files_and_bad_targets_before_reading(store_path, tmp_path, capsys) -> None:
+    """``export STORE T STORE/manifest.json`` replaced the manifest with rows: the store never opened again."""
+    (tmp_path / "d").mkdir()
+    files = sorted(store_path.rglob("*"))
+    for target in (store_path / "manifest.json", store_path / "x.npy", tmp_path / "d",
+                   tmp_path / "no" / "x.npy", tmp_path / "c.toml" / "x.npy"):
+        assert main(["export", str(store_path), "emb", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ".tmp" not in err
+    assert sorted(store_path.rglob("*")) == files
+    with embstore.open(store_path) as s:
+        assert list(s.tables) == ["emb"]
+
+
+def test_bad_paths_exit_2_not_1(store_path, tmp_path, capsys) -> None:
+    """A parent that is a file (ENOTDIR) or a name too long is the input's fault: they exited with 1."""
+    (tmp_path / "f").write_text("")
+    for argv in (["create", str(tmp_path / "f" / "s"), "--config", str(tmp_path / "c.toml")],
+                 ["create", str(tmp_path / "s2"), "--config", str(tmp_path / "f" / "c.toml")],
+                 ["export", str(store_path), "emb", str(tmp_path / ("x" * 300 + ".npy"))]):
+        assert main(argv) == 2, argv
+        assert "Traceback" not in capsys.readouterr().err
+
+
+@needs_mount
+def test_a_full_disk_during_import_exits_1(tiny_tmpfs, tmp_path, capsys) -> None:
+    """A tier's ENOSPC is a DiskFullError, an EmbstoreError, so it exited 2 as if the input were wrong;
+    the README promises 1 when the machine failed."""
+    cfg = tmp_path / "big.toml"
+    cfg.write_text(CONFIG.replace("num_embeddings = 300", "num_embeddings = 300_000"))
+    assert main(["create", str(tiny_tmpfs.path / "s"), "--config", str(cfg)]) == 0
+    np.save(tmp_path / "rows.npy", np.ones((200_000, 8), np.float32))  # 6.4 MB into a 4 MiB tmpfs
+    assert main(["import", str(tiny_tmpfs.path / "s"), "emb", str(tmp_path / "rows.npy")]) == 1
+    err = capsys.readouterr().err
+    assert "embstore import: error:" in err and "No space left on device" in err and "Traceback" not in err
+
+
+def test_out_of_memory_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys) -> None:
+    from embstore import tracegen
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 7.3 TiB")
+
+    monkeypatch.setattr(tracegen, "generate", no_memory)
+    assert main(["trace", "gen", "--zipf", "1", "--out", str(tmp_path / "t.npz")]) == 1
+    err = capsys.readouterr().err
+    assert err == "embstore trace gen: error: out of memory (Unable to allocate 7.3 TiB)\n"
+
+
+@pytest.mark.parametrize("bad_row", [3, 70_000])
+def test_import_checks_the_row_format_whole_before_writing(tmp_path, capsys, bad_row) -> None:
+    """A float16 table refuses values beyond +-65504, but import checked that per 65,536-row chunk while
+    writing: a bad row in a later chunk left the earlier chunks imported, and the error counted rows from
+    the chunk (row 4464 for row 70,000)."""
+    cfg = tmp_path / "h.toml"
+    cfg.write_text(CONFIG.replace("dim = 8", 'dim = 4\ndtype = "float16"').replace("300", "100_000"))
+    assert main(["create", str(tmp_path / "s"), "--config", str(cfg)]) == 0
+    rows = np.ones((80_000, 4), np.float32)
+    rows[bad_row, 2] = 1e6
+    np.save(tmp_path / "rows.npy", rows)
+    with embstore.open(tmp_path / "s") as s:
+        before = s["emb"].lookup(np.arange(80_000, dtype=np.int64))
+    assert main(["import", str(tmp_path / "s"), "emb", str(tmp_path / "rows.npy")]) == 2
+    err = capsys.readouterr().err
+    assert f"row {bad_row}: rows must fit float16" in err and "nothing imported" in err
+    with embstore.open(tmp_path / "s") as s:
+        np.testing.assert_array_equal(s["emb"].lookup(np.arange(80_000, dtype=np.int64)), before)

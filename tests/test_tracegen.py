@@ -127,6 +127,11 @@ def test_profile_from_measured_stats_round_trips():
     (dict(zipf_alpha=1.0, batches=0), "batches must be a positive integer"),
     (dict(zipf_alpha=1.0, tables=True), "tables must be a positive integer"),
     (dict(zipf_alpha=1.0, seed=-1), "seed must be a non-negative integer"),
+    # these crashed inside numpy (ValueError, MemoryError for 58 TiB) instead of naming the argument
+    (dict(zipf_alpha=1.0, ids=2**64), "ids must be at most 2\\*\\*63 - 1"),
+    (dict(zipf_alpha=1.0, pooling=10**20), "at most 1,099,511,627,776 fit one trace"),
+    (dict(zipf_alpha=1.0, batches=10**6, batch_size=10**6), "lookups; at most"),
+    (dict(zipf_alpha=1.0, tables=(1 << 20) + 1, batch_size=1), "tables must be at most 1,048,576"),
 ])
 def test_generate_errors(kwargs, match):
     with pytest.raises(InvalidInputError, match=match):

@@ -408,5 +408,55 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert info.value.code == 2
 
 
+def test_csv_id_beyond_int64_names_its_line(tmp_path):
+    """An id that Python reads as an integer but int64 cannot hold escaped as a bare StopIteration."""
+    p = tmp_path / "t.csv"
+    p.write_text("table,id\n0,1\n0,99999999999999999999\n")
+    with pytest.raises(InvalidInputError, match="line 3: id '99999999999999999999' is not an integer in the int64"):
+        load(p)
+
+
+def test_csv_header_errors_are_said_once_and_a_byte_order_mark_is_no_column(tmp_path):
+    """A wrong header read "malformed CSV: trace file ..: expected the CSV header", the file named twice;
+    a spreadsheet's UTF-8 byte-order mark made the header '\\ufefftable,id'."""
+    p = tmp_path / "t.csv"
+    p.write_text("id,table\n1,0\n")
+    with pytest.raises(InvalidInputError) as info:
+        load(p)
+    assert "malformed" not in str(info.value) and str(info.value).count("t.csv") == 1
+    p.write_text("\ufefftable,id\n0,7\n1,8\n", encoding="utf-8")
+    _eq(load(p), Trace(np.array([7, 8]), np.array([0, 1]), np.array([0, 2])))
+
+
+def test_a_huge_table_index_without_names_is_refused_not_numbered(tmp_path):
+    """One stray table index of 2**31 - 1 in a 4-access file made the loader name two billion tables
+    (minutes, then MemoryError); Meta's lengths of shape (2**31, 0) did the same."""
+    ids, off = np.arange(4), np.array([0, 4])
+    big = traces.MAX_DEFAULT_TABLES
+    assert Trace(ids, np.array([0, 0, 0, big - 1]), off).num_tables == big
+    with pytest.raises(InvalidInputError, match="no table_names"):
+        Trace(ids, np.array([0, 0, 0, 2**31 - 1]), off)
+    assert Trace(ids, np.array([0, 0, 0, 2]), off, ("a", "b", "c")).num_tables == 3  # named: any count
+    np.savez(tmp_path / "t.npz", ids=ids, table=np.array([0, 0, 0, 2**31 - 1], np.int32), batch_offsets=off)
+    (tmp_path / "t.csv").write_text(f"table,id\n0,1\n{2**31 - 1},2\n")
+    torch.save((torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                torch.zeros((2**31, 0), dtype=torch.long)), tmp_path / "t.pt")
+    for name in ("t.npz", "t.csv", "t.pt"):
+        with pytest.raises(InvalidInputError, match="no table_names"):
+            load(tmp_path / name)
+
+
+def test_cli_gen_checks_out_before_the_work_and_names_the_sub_verb(tmp_path, capsys):
+    """--out naming a directory failed after generating, with the temp file's name in the message."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("")
+    for out in (tmp_path / "d", tmp_path / "no" / "t.npz", tmp_path / "f" / "t.npz"):
+        assert cli_main(["trace", "gen", "--zipf", "1", "--batches", "1", "--batch-size", "2",
+                         "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("embstore trace gen: error: --out") and "\n" not in err and ".tmp" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]
+
+
 def test_module_exports():
     assert set(traces.__all__) <= set(dir(traces))

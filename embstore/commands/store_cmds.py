@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-
+from pathlib import Path
 
 import embstore
 from embstore.progress import progress_bar
 from embstore.bulk import export_rows, import_rows
+from embstore.errors import InvalidInputError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,8 +63,21 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_export_target(store: str, file: str) -> None:
+    """Refuse, before any row is read, a target that cannot be written or that is one of the store's own
+    files (replacing its manifest or a tier file would destroy the store)."""
+    out = Path(file)
+    if out.is_dir():
+        raise InvalidInputError(f"{file} is a directory; name the .npy file to write")
+    if not out.parent.is_dir():
+        raise InvalidInputError(f"cannot write {file}: {out.parent} is not a directory")
+    if out.resolve().is_relative_to(Path(store).resolve()):
+        raise InvalidInputError(f"{file} is inside the store {store}; export to a file outside it")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     with embstore.open(args.store) as store:
+        check_export_target(args.store, args.file)
         table = store[args.table]
         total = table.num_rows if args.rows is None else args.rows
         with progress_bar(total=total, desc=f"export {table.name}", unit="row", unit_scale=True) as bar:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 from embstore.progress import progress_bar
@@ -65,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_gen(args: argparse.Namespace) -> int:
     if args.like is None and args.zipf is None:
         raise InvalidInputError("give --like dlrm2021|dlrm2022 or --zipf ALPHA")
+    out = Path(args.out)  # checked before the work, which may take minutes
+    if out.is_dir() or not out.parent.is_dir():
+        raise InvalidInputError(f"--out: cannot write {args.out}: "
+                                + ("it is a directory" if out.is_dir() else f"{out.parent} is not a directory"))
     with progress_bar(total=args.batches, desc="trace gen", unit="batch") as bar:
         trace = tracegen.generate(args.like, zipf_alpha=args.zipf, batches=args.batches,
                                   batch_size=args.batch_size, tables=args.tables, ids=args.ids,
