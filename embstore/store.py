@@ -298,16 +298,27 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
         raise StoreExistsError(f"{p} already holds a store; open it with embstore.open()")
     if p.exists() and (not p.is_dir() or any(p.iterdir())):
         raise StoreExistsError(f"{p} exists and is not an empty directory")
+    created = not p.exists()
     p.mkdir(parents=True, exist_ok=True)
     try:
         cfg = _adopt_mappings(p, cfg, Path(os.fspath(config)).parent if from_file else Path.cwd())
-    except BaseException:
-        shutil.rmtree(p, ignore_errors=True)
+        manifest = {"format": FORMAT, "tables": {t.name: _entry(t, 0) for t in cfg.tables}}
+        _write_metadata(p, cfg, manifest)
+        store = Store(p, cfg, manifest)  # builds every tier: a refused one (a capacity below a row) raises here
+    except BaseException:  # leave no half-made store behind, which neither open() nor a second create() takes
+        _remove_contents(p, keep_dir=not created)
         raise
-    manifest = {"format": FORMAT, "tables": {t.name: _entry(t, 0) for t in cfg.tables}}
-    _write_metadata(p, cfg, manifest)
     log.info("created store %s with tables %s", p, [t.name for t in cfg.tables])
-    return Store(p, cfg, manifest)
+    return store
+
+
+def _remove_contents(path: Path, keep_dir: bool) -> None:
+    """Delete what create() wrote under ``path`` (and ``path`` itself unless it was there before)."""
+    if not keep_dir:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for child in path.iterdir():
+        shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name

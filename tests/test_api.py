@@ -176,6 +176,22 @@ def test_store_lifecycle_errors(tmp_path) -> None:
         embstore.open(tmp_path / "s")
 
 
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_refused_create_leaves_no_half_made_store(tmp_path, existed: bool) -> None:
+    """A tier that cannot be built (a cache below one row) fails create() and leaves the path as it was,
+    so a corrected create() succeeds."""
+    path = tmp_path / "s"
+    if existed:
+        path.mkdir()
+    bad = TableConfig("t", 100, 4, tiers=(TierConfig("dram", capacity=10), TierConfig("mmap")))
+    with pytest.raises(embstore.ConfigError):
+        embstore.create(path, StoreConfig((bad,)))
+    assert path.is_dir() == existed and (not existed or not any(path.iterdir()))
+    good = TableConfig("t", 100, 4, tiers=(TierConfig("dram", capacity=160), TierConfig("mmap")))
+    with embstore.create(path, StoreConfig((good,))) as store:
+        assert store["t"].lookup(np.array([5], np.int64)).shape == (1, 4)
+
+
 def test_optimizer_state_lives_beside_rows(tmp_path) -> None:
     cfg = TableConfig("t", 50, 4, dtype="float16", tiers=(TierConfig("dram", 100, "lru"), TierConfig("ssd")))
     store = embstore.create(tmp_path / "s", StoreConfig((cfg,)))
