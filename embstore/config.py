@@ -133,6 +133,11 @@ class TierConfig:
     layout: str = "in_place"  # ssd: "in_place" (rows at fixed slots) | "log" (writes append; tiers/ssd_log.py)
 
     _ALLOWED = {"kind", "capacity", "policy", "queue_depth", "block_cache", "write_buffer", "compression", "layout"}
+    _APPLIES = {  # keys a TOML tier of each kind may carry ("policy" too, on a cache: one with a capacity)
+        TierKind.DEVICE: {"kind", "capacity"}, TierKind.DRAM: {"kind", "capacity"}, TierKind.MMAP: {"kind", "capacity"},
+        TierKind.SSD: {"kind", "queue_depth", "layout"},
+        TierKind.ROCKSDB: {"kind", "block_cache", "write_buffer", "compression"},
+    }
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _enum(TierKind, self.kind, "tiers.kind"))
@@ -159,7 +164,17 @@ class TierConfig:
         _check_keys(data, cls._ALLOWED, "tiers")
         if "kind" not in data:
             raise ConfigError("tiers.kind", "missing; one of 'device', 'dram', 'mmap', 'ssd', 'rocksdb'")
-        return cls(**dict(data))
+        tier = cls(**dict(data))
+        cache = tier.capacity is not None or not tier.kind.can_be_home
+        applies = cls._APPLIES[tier.kind] | ({"policy"} if cache else set())
+        misplaced = sorted(set(data) - applies)
+        if misplaced == ["policy"]:  # silently ignored, either would mislead
+            raise ConfigError("tiers.policy", f"only a cache tier (one with a capacity) has a policy; this "
+                                              f"{tier.kind.value!r} tier is a home")
+        if misplaced:
+            raise ConfigError(f"tiers.{misplaced[0]}", f"does not apply to a {tier.kind.value!r} tier; its keys: "
+                                                       f"{', '.join(sorted(applies))}")
+        return tier
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind.value}

@@ -65,6 +65,10 @@ def test_config_round_trips_through_toml() -> None:
     (('{ kind = "ssd" }', '{ kind = "ssd", queue_depth = 0 }'), "tiers.queue_depth"),
     (('capacity = "1KiB", ', ''), "tiers.capacity"),
     (('{ kind = "ssd" }', '{ kind = "tape" }'), "tiers.kind"),
+    (('{ kind = "ssd" }', '{ kind = "ssd", policy = "lru" }'), "tiers.policy"),  # a home has no policy
+    (('{ kind = "ssd" }', '{ kind = "ssd", block_cache = "1MiB" }'), "tiers.block_cache"),  # rocksdb's
+    (('{ kind = "ssd" }', '{ kind = "rocksdb", queue_depth = 8 }'), "tiers.queue_depth"),  # ssd's
+    (('capacity = "1KiB", ', 'capacity = "1KiB", queue_depth = 8, '), "tiers.queue_depth"),  # on a cache
     (("num_embeddings = 100", "num_embeddings = 100000000000000"), "table.num_embeddings"),
 ])
 def test_config_errors_name_the_key(change, key) -> None:
