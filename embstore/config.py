@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
+from fractions import Fraction
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,10 @@ def parse_bytes(value: int | str, key: str = "capacity") -> int:
         unit = m.group(2).lower() if m else None
         if not m or unit not in _UNITS:
             raise ConfigError(key, f"cannot read {value!r} as a size; use bytes or B/KiB/MiB/GiB/TiB, e.g. '256MiB'")
-        n = int(float(m.group(1)) * _UNITS[unit])
+        exact = Fraction(m.group(1)) * _UNITS[unit]  # exact: a float would round sizes past 2**53
+        if _UNITS[unit] == 1 and exact.denominator != 1:
+            raise ConfigError(key, f"{value!r} is not a whole number of bytes")
+        n = int(exact)  # "0.3KiB": whole bytes, rounded down
     else:
         raise ConfigError(key, f"expected bytes as an integer or a string like '64KiB', got {value!r}")
     if n <= 0:

@@ -27,12 +27,14 @@ def test_public_namespace_is_pinned() -> None:
 
 
 @pytest.mark.parametrize("text,expected", [(6400, 6400), ("6400", 6400), ("64KiB", 65536),
-                                           ("256MiB", 256 << 20), ("2GiB", 2 << 30), ("1_000", 1000)])
+                                           ("256MiB", 256 << 20), ("2GiB", 2 << 30), ("1_000", 1000),
+                                           ("1.5GiB", 3 << 29), ("0.3KiB", 307),  # whole bytes, rounded down
+                                           ("9007199254740993", 2**53 + 1)])  # exact past float's 2**53
 def test_parse_bytes(text, expected) -> None:
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["12 parsecs", "-5", 0, True, "GiB", 1.5])
+@pytest.mark.parametrize("bad", ["12 parsecs", "-5", 0, True, "GiB", 1.5, "1.5", "0.5B"])
 def test_parse_bytes_rejects(bad) -> None:
     with pytest.raises(embstore.ConfigError, match="capacity"):
         parse_bytes(bad)
