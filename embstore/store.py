@@ -243,7 +243,8 @@ def _initial(cfg: TableConfig, fmt: RowFormat, ids: Any) -> Any:
 def _layout(cfg: TableConfig) -> dict[str, Any]:
     """What fixes how a table's stored rows read back; recorded at creation, checked at every open
     (stores made before it was recorded are not checked)."""
-    return {"num_embeddings": cfg.num_embeddings, "dim": cfg.dim, "dtype": cfg.dtype.value}
+    return {"num_embeddings": cfg.num_embeddings, "dim": cfg.dim, "dtype": cfg.dtype.value,
+            "init": cfg.init.to_dict(), "hash": cfg.hash.to_dict()}  # never-written rows, the id -> row map
 
 
 def _entry(cfg: TableConfig, state_dim: int) -> dict[str, Any]:

@@ -373,7 +373,9 @@ def test_a_damaged_manifest_entry_is_a_corrupt_store(tmp_path, entry) -> None:
 
 
 @pytest.mark.parametrize("edit", [("dim = 4", "dim = 8\ndtype = \"float16\""), ("dim = 4", "dim = 8\ndtype = \"int8\""),
-                                  ("num_embeddings = 100", "num_embeddings = 90")])
+                                  ("num_embeddings = 100", "num_embeddings = 90"),
+                                  ("seed = 0 }", "seed = 1 }"),  # never-written rows would read otherwise
+                                  ('hash = { kind = "none" }', 'hash = { kind = "mod", seed = 3 }')])  # ids, rows
 def test_reopening_with_another_table_layout_is_refused_even_by_a_rocksdb_home(tmp_path, edit) -> None:
     toml = BASE.replace("dim = 8", "dim = 4").replace('{ kind = "ssd" }', '{ kind = "rocksdb" }')
     with embstore.create(tmp_path / "s", StoreConfig.from_toml(toml)) as store:
