@@ -12,6 +12,12 @@ Each cache tier caches the level below it::
 Invariant: the freshest copy of a row is in the highest level holding it (writes
 only enter at the top; a row leaves a level only by eviction, which writes it
 down when dirty). Ids given to ``read``/``write`` are unique (callers dedup).
+
+A level below can fail (the home's disk is full or returns EIO). Then the level
+above forgets the rows its batch inserted (their slots never got their bytes)
+and takes back the dirty rows it evicted, and ``flush`` clears a dirty bit only
+once its row is written down: the error reaches the caller, and no row reads
+wrong or is lost, so a retry (another flush) still makes every write durable.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from embstore.arrays import Ids, RowBytes
+from embstore.policies import AccessResult
 from embstore.tiers.base import Tier, TierStats, close_all
 from embstore.tiers.cache import CacheTier
 
@@ -58,9 +65,13 @@ class Hierarchy:
         rows = np.empty((len(ids), tier.row_bytes), np.uint8)
         hit = r.hit
         rows[hit] = tier.read_slots(r.slots[hit])  # before any slot is overwritten
-        self._write_back(level, tier, r.evicted_keys, r.evicted_slots)
+        self._write_back(level, tier, ids, r)
         miss = ~hit
-        fetched = self._read(level + 1, ids[miss])
+        try:
+            fetched = self._read(level + 1, ids[miss])
+        except BaseException:
+            self._undo(tier, ids, r)
+            raise
         rows[miss] = fetched
         miss_slots = r.slots[miss]
         land = miss_slots >= 0  # -1: refused by admission or pushed out again within this batch
@@ -83,7 +94,7 @@ class Hierarchy:
             return
         tier = self.caches[level]
         r = tier.directory.access(ids)
-        self._write_back(level, tier, r.evicted_keys, r.evicted_slots)
+        self._write_back(level, tier, ids, r)
         stays = r.slots >= 0
         stays[stays] &= tier.directory.slot_key[r.slots[stays]] == ids[stays]
         slots = r.slots[stays]
@@ -92,15 +103,38 @@ class Hierarchy:
         tier.counters.bytes_written += len(slots) * tier.row_bytes
         self._write(level + 1, ids[~stays], rows[~stays])
 
-    def _write_back(self, level: int, tier: CacheTier, keys: np.ndarray, slots: np.ndarray) -> None:
-        """Evicted rows: write the dirty ones one level down (their bytes are still in ``slots``)."""
+    def _write_back(self, level: int, tier: CacheTier, ids: Ids, r: AccessResult) -> None:
+        """Rows the batch ``ids`` (accessed as ``r``) evicted: write the dirty ones one level down (their
+        bytes are still in their slots). If that fails, the batch is undone (see ``_undo``)."""
+        keys, slots = r.evicted_keys, r.evicted_slots
         if len(keys) == 0:
             return
         tier.counters.evictions += len(keys)
         dirty = tier.dirty[slots]
         tier.dirty[slots] = False
         if dirty.any():
-            self._write(level + 1, keys[dirty], tier.read_slots(slots[dirty]))
+            down_keys, down_rows = keys[dirty], tier.read_slots(slots[dirty])
+            try:
+                self._write(level + 1, down_keys, down_rows)
+            except BaseException:
+                self._undo(tier, ids, r, down_keys, down_rows)
+                raise
+
+    @staticmethod
+    def _undo(tier: CacheTier, ids: Ids, r: AccessResult, keys: Ids | None = None,
+              rows: RowBytes | None = None) -> None:
+        """After a level below failed mid-batch: drop the rows the batch ``ids`` inserted into ``tier``
+        (their slots hold other rows' bytes, or none) and re-admit the dirty evicted ``keys``/``rows``
+        that did not reach the level below, so nothing reads wrong and no write is lost. Dropping the
+        inserts frees at least as many slots as the batch evicted rows, so every one lands."""
+        landed = ~r.hit & (r.slots >= 0)
+        landed[landed] &= tier.directory.slot_key[r.slots[landed]] == ids[landed]
+        tier.directory.remove(ids[landed])
+        tier.dirty[r.slots[landed]] = False
+        if keys is not None and len(keys):
+            back = tier.directory.access(keys)
+            tier.write_slots(back.slots, rows)
+            tier.dirty[back.slots] = True
 
     def flush(self) -> None:
         """Cascade every dirty row down to the home, then make the home durable."""
@@ -109,8 +143,8 @@ class Hierarchy:
             if len(slots):
                 keys = tier.directory.slot_key[slots]
                 rows = tier.read_slots(slots)
-                tier.dirty[slots] = False
                 self._write(level + 1, keys, rows)
+                tier.dirty[slots] = False  # only now: after a failure below, the next flush writes them again
         self.home.flush()
 
     def stats(self) -> list[TierStats]:

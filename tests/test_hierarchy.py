@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from embstore.arrays import HUGE_PAGE, aligned_zeros
+from embstore.errors import IdOutOfRangeError, InvalidInputError, StoreClosedError, TierIOError
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import gather_rows, pool, pool_rows, unique_inverse, unique_inverse_each, unique_last
 from embstore.tiers.base import Tier
 from kernel_threads import kernel_path
-from embstore.tiers.cache import DeviceTier, DRAMTier
+from embstore.tiers.cache import DeviceTier, DRAMTier, MmapCacheTier
 
 ROW = 8
 
@@ -82,6 +83,151 @@ def test_hierarchy_matches_dict_model(seq, p0, p1) -> None:
     assert top.hits + top.misses == reads
 
 
+class FlakyHome(DictHome):
+    """A DictHome whose ``fail_at``-th get or put from now raises (a full disk, an EIO), then works again."""
+
+    fail_at: int | None = None
+
+    def _maybe_fail(self, op: str) -> None:
+        if self.fail_at is not None:
+            self.fail_at -= 1
+            if self.fail_at < 0:
+                self.fail_at = None
+                raise TierIOError("flaky", op, 5)
+
+    def get(self, ids):
+        self._maybe_fail("read")
+        return super().get(ids)
+
+    def put(self, ids, rows):
+        self._maybe_fail("write")
+        super().put(ids, rows)
+
+
+def newest(h: Hierarchy, key: int) -> bytes:
+    """A row's bytes in the highest level holding it (the hierarchy's invariant), read without touching a policy."""
+    for t in h.caches:
+        s = int(t.directory.lookup(np.array([key], np.int64))[0])
+        if s >= 0:
+            return t.read_slots(np.array([s]))[0].tobytes()
+    return h.home.data.get(key, initial(np.array([key]))[0].tobytes())
+
+
+N_KEYS = 21
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["read", "write", "flush"]),
+                          st.lists(st.integers(0, N_KEYS - 1), min_size=1, max_size=9, unique=True),
+                          st.integers(0, 255), st.none() | st.integers(0, 3)), min_size=1, max_size=40),
+       st.lists(st.tuples(st.sampled_from([1, 2, 5, N_KEYS]), st.sampled_from(["lru", "lfu", "clock", "lru+tinylfu"])),
+                min_size=1, max_size=2))
+def test_a_failing_home_loses_no_write_and_corrupts_no_row(seq, levels) -> None:
+    """The home fails (``fail_at``-th call) in the middle of a read, a write, an eviction's write-back or
+    a flush. The error reaches the caller; afterwards every row still reads as the dict model says (no
+    cache slot is left mapped to another row's bytes, no evicted dirty row is dropped), a write retried
+    after its failure lands, and a flush that follows a failed one makes every row durable."""
+    home = FlakyHome()
+    h = Hierarchy([DRAMTier(ROW, cap, pol, num_rows=N_KEYS) for cap, pol in levels], home, initial)
+    model: dict[int, bytes] = {}
+    for op, ids, val, fail_at in seq:
+        arr = np.array(ids, np.int64)
+        rows = np.array([[val, i, *range(ROW - 2)] for i in ids], np.uint8)
+        home.fail_at = fail_at
+        try:
+            if op == "write":
+                h.write(arr, rows)
+            elif op == "read":
+                got = h.read(arr)
+                assert [g.tobytes() for g in got] == [model.get(i, initial(np.array([i]))[0].tobytes()) for i in ids]
+            else:
+                h.flush()
+                assert home.data == model
+        except TierIOError:
+            assert fail_at is not None
+            if op == "write":  # a failed write may have landed in part: the caller retries it
+                home.fail_at = None
+                h.write(arr, rows)
+        if op == "write":
+            model.update({i: r.tobytes() for i, r in zip(ids, rows)})
+        home.fail_at = None
+        assert [newest(h, k) for k in range(N_KEYS)] == [model.get(k, initial(np.array([k]))[0].tobytes())
+                                                         for k in range(N_KEYS)]
+        for t in h.caches:
+            assert t.directory.resident <= t.capacity_rows
+    h.flush()
+    assert home.data == model
+
+
+def test_a_failed_flush_is_retried_by_the_next() -> None:
+    """Dirty bits are cleared only once their rows are written down: a flush after a failed one still
+    writes them (it used to return having written nothing, the rows clean in the cache only)."""
+    home = FlakyHome()
+    h = Hierarchy([DRAMTier(ROW, 4, "lru", num_rows=100)], home, initial)
+    h.write(np.array([1, 2], np.int64), np.full((2, ROW), 9, np.uint8))
+    home.fail_at = 0
+    with pytest.raises(TierIOError):
+        h.flush()
+    h.flush()
+    assert sorted(home.data) == [1, 2]
+
+
+def test_a_failed_home_read_leaves_no_row_mapped_to_garbage() -> None:
+    """A read whose home fetch fails must not leave its ids resident in slots that never got their bytes."""
+    home = FlakyHome()
+    h = Hierarchy([DRAMTier(ROW, 4, "lru", num_rows=100)], home, initial)
+    h.read(np.array([7], np.int64))
+    home.fail_at = 0
+    with pytest.raises(TierIOError):
+        h.read(np.array([5, 6], np.int64))
+    ids = np.array([5, 6, 7], np.int64)
+    np.testing.assert_array_equal(h.read(ids), initial(ids))
+
+
+def test_a_failed_write_back_keeps_the_evicted_dirty_rows() -> None:
+    home = FlakyHome()
+    h = Hierarchy([DRAMTier(ROW, 2, "lru", num_rows=100)], home, initial)
+    h.write(np.array([1, 2], np.int64), np.full((2, ROW), 9, np.uint8))
+    home.fail_at = 0
+    with pytest.raises(TierIOError):
+        h.read(np.array([3], np.int64))  # evicts 1 (dirty): its write-back fails
+    assert h.read(np.array([1, 2, 3], np.int64))[:, 0].tolist() == [9, 9, 3]
+
+
+class WriteBackCheckingHome(DictHome):
+    """Refuses a put that would not change the home: a clean row written back (every write in the test
+    below carries a fresh value, so a dirty row always differs from the home's copy)."""
+
+    def put(self, ids, rows):
+        for i, r in zip(ids, rows):
+            have = self.data.get(int(i), initial(np.array([i]))[0].tobytes())
+            assert have != r.tobytes(), f"row {int(i)} written back clean"
+        super().put(ids, rows)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops, st.sampled_from(["lru", "lfu", "clock", "lru+tinylfu"]), st.sampled_from([1, 2, 4, 1000]))
+def test_only_dirty_rows_are_written_back(seq, policy, capacity) -> None:
+    """Evicting or flushing a row that was only read (promoted) never writes it down; every dirty row
+    reaches the home with its latest value (checked by the flushes)."""
+    h = Hierarchy([DRAMTier(ROW, capacity, policy, num_rows=1000), DRAMTier(ROW, 3, "lru", num_rows=1000)],
+                  WriteBackCheckingHome(), initial)
+    model: dict[int, bytes] = {}
+    for n, (op, ids, _) in enumerate(seq):
+        arr = np.array(ids, np.int64)
+        if op == "write":
+            rows = np.array([[n % 256, n // 256, 1 + i % 250, *range(ROW - 3)] for i in ids], np.uint8)
+            h.write(arr, rows)
+            model.update({i: r.tobytes() for i, r in zip(ids, rows)})
+        elif op == "read":
+            h.read(arr)
+        else:
+            h.flush()
+            assert h.home.data == model
+    h.flush()
+    assert h.home.data == model
+
+
 def test_flush_writes_everything_home() -> None:
     h = make()
     ids = np.arange(15, dtype=np.int64)
@@ -107,6 +253,38 @@ def test_full_capacity_tier_uses_direct_slots() -> None:
     ids = np.array([49, 0, 7], np.int64)
     np.testing.assert_array_equal(h.read(ids), initial(ids))
     assert t.directory.lookup(ids).tolist() == [49, 0, 7]
+
+
+@pytest.mark.parametrize("capacity", [10, 4])  # direct-mapped (covers the table) / keyed
+@pytest.mark.parametrize("bad", [-1, 10, 2**40])
+def test_cache_tier_refuses_ids_outside_the_table(capacity: int, bad: int) -> None:
+    """get/contains/delete check ids like put does: a direct-mapped tier used to index its presence flags
+    with them, so ``delete([-1])`` dropped row 9 (numpy wraps) and an id past the end raised IndexError."""
+    t = DRAMTier(ROW, capacity, "lru", num_rows=10)
+    t.put(np.array([9, 1], np.int64), np.full((2, ROW), 5, np.uint8))
+    for op in (t.get, t.contains, t.delete):
+        with pytest.raises(IdOutOfRangeError):
+            op(np.array([1, bad], np.int64))
+    for bad_ids in (np.array([1.0]), np.array([1], np.int32), np.array([[1]], np.int64)):
+        with pytest.raises(InvalidInputError):
+            t.get(bad_ids)
+    assert t.contains(np.array([9, 1], np.int64)).all() and t.resident_rows == 2
+
+
+@pytest.mark.parametrize("kind", ["dram", "device", "mmap"])
+def test_cache_tier_after_close(kind: str, tmp_path) -> None:
+    """Like every other tier: use after close is a StoreClosedError, and close is idempotent (the mmap
+    cache's second close used to raise AttributeError)."""
+    t = {"dram": lambda: DRAMTier(ROW, 4, "lru", num_rows=10), "device": lambda: DeviceTier(ROW, 4, "lru", num_rows=10),
+         "mmap": lambda: MmapCacheTier(tmp_path / "c.mmap", ROW, 4, "lru", num_rows=10)}[kind]()
+    ids = np.array([1], np.int64)
+    t.put(ids, np.ones((1, ROW), np.uint8))
+    t.close()
+    t.close()
+    for call in (lambda: t.get(ids), lambda: t.contains(ids), lambda: t.delete(ids),
+                 lambda: t.put(ids, np.ones((1, ROW), np.uint8))):
+        with pytest.raises(StoreClosedError):
+            call()
 
 
 @given(st.lists(st.integers(-5, 5), max_size=50))

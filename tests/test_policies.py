@@ -167,6 +167,117 @@ def test_batched_access_equals_sequential(policy: str) -> None:
     assert simulate(flat, offsets, 50, policy).tolist() == ref
 
 
+class RefDirectory:
+    """``ref_run``'s caches one access at a time, with slots (a free stack, as the directory pops them) and
+    ``remove``; ``access`` returns (hit, evicted key or None)."""
+
+    def __init__(self, policy: str, capacity: int) -> None:
+        self.base, self.cap = policy.split("+")[0], capacity
+        self.sk = RefSketch(capacity) if policy.endswith("+tinylfu") else None
+        self.free, self.slot = list(range(capacity - 1, -1, -1)), {}
+        self.ring: list[int | None] = [None] * capacity
+        self.refbit, self.hand = [0] * capacity, 0
+        self.order: OrderedDict[int, None] = OrderedDict()  # lru: recency; lfu: recency within freq
+        self.freq: dict[int, int] = {}
+
+    def _victim(self) -> int:
+        if self.base == "lru":
+            return next(iter(self.order))
+        if self.base == "lfu":
+            f = min(self.freq.values())
+            return next(k for k in self.order if self.freq[k] == f)
+        while self.refbit[self.hand]:
+            self.refbit[self.hand] = 0
+            self.hand = (self.hand + 1) % self.cap
+        s, self.hand = self.hand, (self.hand + 1) % self.cap
+        return self.ring[s]
+
+    def remove(self, k: int) -> int:
+        if k not in self.slot:
+            return -1
+        s = self.slot.pop(k)
+        self.ring[s], self.refbit[s] = None, 0
+        self.order.pop(k, None)
+        self.freq.pop(k, None)
+        self.free.append(s)
+        return s
+
+    def access(self, k: int) -> tuple[bool, int | None]:
+        if self.sk and self.sk.add(k) and self.base == "lfu":  # halve; equal frequencies merge, lower first
+            by_old = sorted(self.order, key=lambda x: self.freq[x])  # stable: recency within a frequency
+            self.freq = {x: self.freq[x] >> 1 for x in by_old}
+            self.order = OrderedDict.fromkeys(by_old)
+        if k in self.slot:
+            if self.base == "clock":
+                self.refbit[self.slot[k]] = 1
+            else:
+                self.order.move_to_end(k)
+                self.freq[k] = self.freq.get(k, 0) + 1
+            return True, None
+        ev = None
+        if not self.free:
+            v = self._victim()
+            if self.sk and self.sk.est(k) <= (self.freq[v] if self.base == "lfu" else self.sk.est(v)):
+                return False, None
+            self.remove(v)
+            ev = v
+        s = self.free.pop()
+        self.slot[k], self.ring[s], self.refbit[s] = s, k, 0
+        if self.base != "clock":
+            self.order[k] = None
+            self.freq[k] = self.sk.est(k) if self.sk and self.base == "lfu" else 1
+        return False, ev
+
+
+def fingerprint_mates(n: int, fp: int = 0x2545F491) -> list[int]:
+    """``n`` keys below 2**63 sharing one index fingerprint (top 32 bits of mix64)."""
+    return [k for k in (py_unmix64((fp << 32) | low) for low in range(1, 4 * n + 8)) if k < 1 << 63][:n]
+
+
+KEY_SETS = {  # (keys, key_limit): an exact index at both ends of its range, with entries up to 63 bits wide
+    # (58 key bits + up to 5 slot bits); a limit too wide for any slot bits (fingerprints); the top of int64;
+    # colliding fingerprints
+    "exact": (list(range(24)), 24),
+    "exact-wide": ([(1 << 58) - 1 - 3 * i for i in range(23)] + [0], 1 << 58),
+    "fingerprint-limit": ([(1 << 62) - i for i in range(23)] + [0], (1 << 62) + 1),
+    "int64-top": ([(1 << 63) - 1 - i for i in range(24)], None),
+    "fingerprint-mates": (fingerprint_mates(24), None),
+}
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.sampled_from(POLICIES), st.sampled_from([1, 2, 3, 8, 16, 23, 24]), st.sampled_from(sorted(KEY_SETS)),
+       st.lists(st.tuples(st.sampled_from(["access", "access", "access", "remove", "lookup"]),
+                          st.lists(st.integers(0, 23), max_size=9, unique=True)), max_size=60))
+def test_access_remove_lookup_interleaved_match_reference(policy: str, capacity: int, key_set: str, ops) -> None:
+    """Batches of access, remove and lookup in any order, against a reference with slots: the same hits,
+    slots, evicted (key, slot) pairs, removed slots and resident map after every call. Capacities 1 and 2,
+    one below the distinct keys (23 of 24) and equal to them; CLOCK's reference bits and LFU's buckets
+    after removals; keys at both ends of an exact index's range and in the fingerprint fallback."""
+    keys, limit = KEY_SETS[key_set]
+    d = CacheDirectory(capacity, policy, key_limit=limit)
+    assert (d._limit > 0) == key_set.startswith("exact")
+    ref = RefDirectory(policy, capacity)
+    for op, idx in ops:
+        batch = [keys[i] for i in idx]
+        arr = np.array(batch, np.int64)
+        if op == "access":
+            before = dict(ref.slot)
+            r = d.access(arr)
+            want = [ref.access(k) for k in batch]
+            assert r.hit.tolist() == [h for h, _ in want]
+            assert r.slots.tolist() == [before[k] if h else ref.slot.get(k, -1) for k, (h, _) in zip(batch, want)]
+            first_out = list(dict.fromkeys(v for _, v in want if v in before))  # reported once, as it was before
+            assert sorted(zip(r.evicted_keys.tolist(), r.evicted_slots.tolist())) == sorted(
+                (v, before[v]) for v in first_out)
+        elif op == "remove":
+            assert d.remove(arr).tolist() == [ref.remove(k) for k in batch]
+        else:
+            assert d.lookup(arr).tolist() == [ref.slot.get(k, -1) for k in batch]
+        assert d.resident == len(ref.slot) <= capacity
+        assert {int(d.slot_key[s]): s for s in d.occupied_slots().tolist()} == ref.slot
+
+
 def lfu_buckets(d: CacheDirectory) -> list[tuple[int, list[int]]]:
     """The directory's LFU buckets, lowest frequency first, each's keys from the victim side."""
     out, b = [], int(d._meta[M_BMIN])

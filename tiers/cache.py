@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, check_id_range
+from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids, check_id_range
 from embstore.config import PolicySpec
+from embstore.errors import StoreClosedError
 from embstore.policies import CacheDirectory, DirectDirectory, directory_bytes
 from embstore.tiers.base import Tier
 
@@ -66,7 +67,18 @@ class CacheTier(Tier):
         raise NotImplementedError
 
     # Tier interface ----------------------------------------------------------
+    def _ids(self, ids: Ids) -> Ids:
+        """``ids`` as the directory needs them: a 1-D int64 array inside ``[0, num_rows)``, on an open
+        tier. A direct-mapped directory indexes its flags with them, so a negative id would wrap
+        around to another row (``delete([-1])`` dropped the last row) and a large one raise IndexError."""
+        if self.closed:
+            raise StoreClosedError(f"{self.kind} cache tier is closed")
+        arr, _ = as_ids(ids)
+        check_id_range(arr, self.num_rows, f"{self.kind} cache")
+        return arr
+
     def get(self, ids: Ids) -> tuple[RowBytes, Mask]:
+        ids = self._ids(ids)
         slots = self.directory.lookup(ids)
         found = slots >= 0
         rows = np.zeros((len(ids), self.row_bytes), np.uint8)
@@ -78,8 +90,8 @@ class CacheTier(Tier):
         return rows, found
 
     def put(self, ids: Ids, rows: RowBytes) -> None:
+        ids = self._ids(ids)
         self._check_rows(ids, rows)
-        check_id_range(ids, self.num_rows, f"{self.kind} cache")
         r = self.directory.access(ids)
         landed = r.slots >= 0
         landed[landed] &= self.directory.slot_key[r.slots[landed]] == ids[landed]
@@ -89,10 +101,10 @@ class CacheTier(Tier):
         self.counters.bytes_written += int(landed.sum()) * self.row_bytes
 
     def contains(self, ids: Ids) -> Mask:
-        return self.directory.lookup(ids) >= 0
+        return self.directory.lookup(self._ids(ids)) >= 0
 
     def delete(self, ids: Ids) -> None:
-        slots = self.directory.remove(ids)
+        slots = self.directory.remove(self._ids(ids))
         self.dirty[slots[slots >= 0]] = False
 
     @property
@@ -141,6 +153,9 @@ class MmapCacheTier(DRAMTier):
         self.slab = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(self.slots, row_bytes))
 
     def close(self) -> None:
+        """Unmap the slab (idempotent, like every tier's close)."""
+        if self.closed:
+            return
         del self.slab
         super().close()
 
