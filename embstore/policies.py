@@ -593,6 +593,9 @@ def directory_bytes(capacity: int, policy: PolicySpec | str = "lru") -> int:
     return n
 
 
+MAX_CAPACITY = 2**31 - 1  # rows one CacheDirectory holds at most
+
+
 class CacheDirectory:
     """A fixed-capacity key -> slot map with an eviction policy (see module doc)."""
 
@@ -601,6 +604,8 @@ class CacheDirectory:
         index hold keys themselves instead of fingerprints to confirm (no second memory access)."""
         if capacity < 1:
             raise ValueError(f"capacity must be at least one row, got {capacity}")
+        if capacity > MAX_CAPACITY:  # slots are int32 in the lists and 31 bits in a fingerprint entry
+            raise ValueError(f"capacity must be at most {MAX_CAPACITY} rows (2**31 - 1) per cache, got {capacity}")
         self.capacity = int(capacity)
         self.policy = PolicySpec.parse(policy)
         self._kind = _KIND_CODE[self.policy.kind]

@@ -198,6 +198,17 @@ def test_a_refused_create_leaves_no_half_made_store(tmp_path, existed: bool) -> 
         assert store["t"].lookup(np.array([5], np.int64)).shape == (1, 4)
 
 
+def test_a_cache_beyond_the_directory_limit_is_a_config_error_before_any_allocation(tmp_path) -> None:
+    """2**31 rows is past a keyed cache's int32 slots: refused up front (not 32 GiB allocated, then overflow);
+    a cache of the whole table is direct-mapped and has no such limit (checked here on a small table)."""
+    too_big = TableConfig("t", 2**40, 4, tiers=(TierConfig("dram", capacity=16 * 2**31), TierConfig("rocksdb")))
+    with pytest.raises(embstore.ConfigError, match="at most 2147483647"):
+        embstore.create(tmp_path / "s", StoreConfig((too_big,)))
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(ValueError, match="at most"):
+        embstore.policies.CacheDirectory(2**31, "lru")
+
+
 def test_optimizer_state_lives_beside_rows(tmp_path) -> None:
     cfg = TableConfig("t", 50, 4, dtype="float16", tiers=(TierConfig("dram", 100, "lru"), TierConfig("ssd")))
     store = embstore.create(tmp_path / "s", StoreConfig((cfg,)))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from embstore.config import TierConfig, TierKind
 from embstore.errors import ConfigError
+from embstore.policies import MAX_CAPACITY
 from embstore.tiers.base import Tier
 from embstore.tiers.cache import CacheTier, DeviceTier, DRAMTier, MmapCacheTier
 
@@ -22,6 +23,10 @@ def capacity_rows(tier: TierConfig, row_bytes: int) -> int:
 
 def build_cache(tier: TierConfig, level: int, row_bytes: int, num_rows: int, directory: Path) -> CacheTier:
     rows = capacity_rows(tier, row_bytes)
+    if MAX_CAPACITY < rows < num_rows:  # a cache of the whole table is direct-mapped, without that limit
+        raise ConfigError("tiers.capacity", f"{tier.kind.value} capacity of {tier.capacity} bytes is {rows} rows of "
+                          f"{row_bytes} bytes; a cache holds at most {MAX_CAPACITY} (2**31 - 1) rows unless it "
+                          "holds the whole table")
     if tier.kind is TierKind.DEVICE:
         return DeviceTier(row_bytes, rows, tier.policy, num_rows)
     if tier.kind is TierKind.DRAM:
