@@ -96,7 +96,7 @@ class Hierarchy:
         r = tier.directory.access(ids)
         self._write_back(level, tier, ids, r)
         stays = r.slots >= 0
-        stays[stays] &= tier.directory.slot_key[r.slots[stays]] == ids[stays]
+        stays[stays] &= tier.directory.keys_at(r.slots[stays]) == ids[stays]
         slots = r.slots[stays]
         tier.write_slots(slots, rows[stays])
         tier.dirty[slots] = True
@@ -128,7 +128,7 @@ class Hierarchy:
         that did not reach the level below, so nothing reads wrong and no write is lost. Dropping the
         inserts frees at least as many slots as the batch evicted rows, so every one lands."""
         landed = ~r.hit & (r.slots >= 0)
-        landed[landed] &= tier.directory.slot_key[r.slots[landed]] == ids[landed]
+        landed[landed] &= tier.directory.keys_at(r.slots[landed]) == ids[landed]
         tier.directory.remove(ids[landed])
         tier.dirty[r.slots[landed]] = False
         if keys is not None and len(keys):
@@ -141,7 +141,7 @@ class Hierarchy:
         for level, tier in enumerate(self.caches):
             slots = np.flatnonzero(tier.dirty)
             if len(slots):
-                keys = tier.directory.slot_key[slots]
+                keys = tier.directory.keys_at(slots)
                 rows = tier.read_slots(slots)
                 self._write(level + 1, keys, rows)
                 tier.dirty[slots] = False  # only now: after a failure below, the next flush writes them again

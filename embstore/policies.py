@@ -661,6 +661,10 @@ class CacheDirectory:
             self._bfree, self._ref, self._sk, self._meta, slots, hit, ev_keys, ev_slots)
         return AccessResult(slots, hit, ev_keys[:nev], ev_slots[:nev], int(nrej))
 
+    def keys_at(self, slots: np.ndarray) -> np.ndarray:
+        """The key each of ``slots`` holds (EMPTY where none)."""
+        return self.slot_key[slots]
+
     def lookup(self, keys: Ids) -> np.ndarray:
         """Slots of ``keys`` (-1 where absent) without touching the policy."""
         out = np.empty(len(keys), np.int64)
@@ -729,7 +733,12 @@ class DirectDirectory:
 
     @property
     def slot_key(self) -> np.ndarray:
+        """Built over the whole table: callers on a hot path use :meth:`keys_at`."""
         return np.where(self.present, np.arange(self.capacity), EMPTY)
+
+    def keys_at(self, slots: np.ndarray) -> np.ndarray:
+        """The key each of ``slots`` holds (slot == key; EMPTY where the row is absent)."""
+        return np.where(self.present[slots], slots, EMPTY)
 
     def access(self, keys: Ids) -> AccessResult:
         hit = self.present[keys]

@@ -94,7 +94,7 @@ class CacheTier(Tier):
         self._check_rows(ids, rows)
         r = self.directory.access(ids)
         landed = r.slots >= 0
-        landed[landed] &= self.directory.slot_key[r.slots[landed]] == ids[landed]
+        landed[landed] &= self.directory.keys_at(r.slots[landed]) == ids[landed]
         self.write_slots(r.slots[landed], rows[landed])
         self.dirty[r.slots[landed]] = True
         self.counters.evictions += len(r.evicted_keys)
