@@ -892,9 +892,14 @@ class SSDTier(Tier):
     def _write(self, ids: Ids, rows: RowBytes) -> None:
         """Write rows into their own slots, block by block (read-modify-write where a block keeps others)."""
         rpb = self.rows_per_block
+        order = np.argsort(ids, kind="stable")  # sorted ids sort their blocks too
+        ids = ids[order]
+        last = np.ones(len(ids), np.bool_)
+        last[:-1] = ids[1:] != ids[:-1]
+        if not last.all():  # a repeated id would count twice as overwritten and skip a needed read:
+            order, ids = order[last], ids[last]  # keep its last write (the sort is stable)
         blk = ids // rpb
-        order = np.argsort(blk, kind="stable")
-        ids, blk, rows = ids[order], blk[order], rows[order]
+        rows = rows[order]
         ublk, first, counts = np.unique(blk, return_index=True, return_counts=True)
         slot = ids - blk * rpb
         c = self._chunk_blocks

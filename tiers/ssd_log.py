@@ -178,7 +178,7 @@ class LogSSDTier(SSDTier):
             if len(head) == _MAP_HEADER.size and head[:8] == _MAP_MAGIC:
                 stored = _MAP_HEADER.unpack(head)[4]
                 total = stored if stored > row_blocks else total  # a damaged header is reported by the load
-        except FileNotFoundError:
+        except OSError:  # none yet (a new tier); an unreadable one is reported, typed, by the load
             pass
         self.spare_blocks = total - row_blocks
         return total
@@ -231,15 +231,20 @@ class LogSSDTier(SSDTier):
             raise CorruptStoreError(f"ssd tier: {path} fails its checksum")
         slot_of = np.frombuffer(body, dtype=self._slot_dtype.newbyteorder("<")).astype(self._slot_dtype)
         delta_path = self.path / LOG_DELTA_FILE
+        num_slots = self.num_blocks * self.rows_per_block
         deltas = self._read_delta_file()
         records, last = read_records(deltas, _DELTA_MAGIC, _DELTA_ENTRY_BYTES, crc, delta_path)
         for n, record in records:
             ids = np.frombuffer(record, "<i8", n).astype(np.int64)
             if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
                 raise CorruptStoreError(f"ssd tier: {delta_path} moves rows outside num_rows={self.num_rows}")
-            slot_of[ids] = np.frombuffer(record, "<i8", n, 8 * n)
+            slots = np.frombuffer(record, "<i8", n, 8 * n)
+            if len(slots) and (slots.min() < -1 or slots.max() >= num_slots):  # would wrap in an int32 map
+                raise CorruptStoreError(f"ssd tier: {delta_path} moves rows to slots outside the slab's "
+                                        f"{num_slots}")
+            slot_of[ids] = slots
         resident = resident if last is None else last
-        count, bad = _map_errors(slot_of, self.num_blocks * self.rows_per_block)
+        count, bad = _map_errors(slot_of, num_slots)
         if bad >= 0:
             raise CorruptStoreError(f"ssd tier: {path} (with {len(records)} commits of {LOG_DELTA_FILE}) gives "
                                     f"row {bad} an invalid or shared slot")
