@@ -373,14 +373,12 @@ def test_interrupted_creation_is_recreated(tmp_path: Path) -> None:
 
 
 # -- engines and fallbacks -------------------------------------------------------------
-def test_env_var_forces_pread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ssd.NO_IO_URING_ENV, "1")
+@pytest.mark.parametrize("value, engine", [("1", "pread+direct"), ("yes", "pread+direct"), ("0", "io_uring+direct"),
+                                           ("false", "io_uring+direct"), ("Off", "io_uring+direct")])
+def test_env_var_forces_pread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, engine: str) -> None:
+    monkeypatch.setenv(ssd.NO_IO_URING_ENV, value)
     t = SSDTier(tmp_path, 10, 4)
-    assert t.io_engine == "pread+direct"
-    t.close()
-    monkeypatch.setenv(ssd.NO_IO_URING_ENV, "0")
-    t = SSDTier(tmp_path, 10, 4)
-    assert t.io_engine == "io_uring+direct"
+    assert t.io_engine == engine
     t.close()
 
 

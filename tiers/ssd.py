@@ -564,7 +564,7 @@ class SSDTier(Tier):
         self._get_bytes = 0  # device bytes read by get(), for read_amplification
         self._get_useful = 0
         if use_io_uring is None:
-            use_io_uring = os.environ.get(NO_IO_URING_ENV, "") in ("", "0")
+            use_io_uring = os.environ.get(NO_IO_URING_ENV, "").strip().lower() in ("", "0", "false", "no", "off")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._open_files()
