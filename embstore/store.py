@@ -106,15 +106,15 @@ class Store:
         if cfg.name in self.tables:
             raise TableExistsError(f"table {cfg.name!r} already exists in {self.path}")
         manifest = json.loads(json.dumps(self._manifest))
-        entry = manifest["tables"][cfg.name] = _entry(cfg, state_dim)
-        folder = self.path / entry["dir"]
+        folder = self.path / _entry(cfg, state_dim)["dir"]
         # Nothing changes until the new metadata is written: a refused table leaves neither an entry in
         # the manifest the next create_table would persist (the store would not reopen) nor its files.
         # A folder already there is not in the manifest, the commit record: debris of a failed attempt.
         shutil.rmtree(folder, ignore_errors=True)
         table: Table | None = None
         try:
-            cfg = _adopt_mappings(self.path, StoreConfig((cfg,)), Path.cwd()).tables[0]
+            cfg = _adopt_mappings(self.path, StoreConfig((cfg,)), Path.cwd()).tables[0]  # copies a learned map in
+            entry = manifest["tables"][cfg.name] = _entry(cfg, state_dim)  # with the adopted mapping's path
             new_config = StoreConfig((*self.config.tables, cfg))
             table = self._open_table(cfg, entry)  # validates hash files etc. before anything is persisted
             _write_metadata(self.path, new_config, manifest)

@@ -292,6 +292,13 @@ def test_learned_hash_table_is_self_contained(tmp_path) -> None:
         s.ensure_state_dim("t", 1)
     with embstore.open(tmp_path / "s") as s:
         assert s["t"].format.state_dim == 1 and s["t"].lookup(ids).shape == (50, 8)
+        # create_table adopts a mapping from outside the store too, and the store reopens with it
+        LearnedHash.fit(trace, 64).save(tmp_path / "u.ehash")
+        s.create_table({"name": "u", "num_embeddings": 64, "dim": 8, "tiers": [{"kind": "mmap"}],
+                        "hash": {"kind": "learned", "mapping": str(tmp_path / "u.ehash")}})
+    with embstore.open(tmp_path / "s") as s:
+        assert s["u"].config.hash.mapping == "tables/u/hash.ehash"
+        assert s["u"].lookup(ids).shape == (50, 8)
 
 
 def test_float16_table_refuses_rows_beyond_its_range_and_writes_nothing(tmp_path) -> None:
