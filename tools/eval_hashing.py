@@ -511,5 +511,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
+def _cli() -> None:
+    """``main`` from the command line: bad input (a bad option value, a missing data file) is one usage error
+    line, not a traceback."""
+    try:
+        main()
+    except (ConfigError, InvalidInputError, FileNotFoundError) as exc:  # the input's fault, not the store's
+        build_parser().error(str(exc))
+
+
 if __name__ == "__main__":
-    main()
+    _cli()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -30,19 +31,42 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Run each named benchmark (all by default); one that fails (a missing baseline tool, a crash) is
+    reported in one line and the others still run; exit status 1 when any failed."""
     scripts = available()
     unknown = [n for n in args.names if n not in scripts]
     if unknown or not scripts:
         print(f"embstore bench: error: unknown benchmark {unknown[0] if unknown else ''!r}; "
               f"available: {', '.join(scripts) or 'none (tools/bench/ not found)'}", file=sys.stderr)
         return 2
-    results = {}
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        # checked before the runs, which take minutes, rather than when their figures are written
+        print(f"embstore bench: error: --json {args.json!r}: not a file in an existing directory", file=sys.stderr)
+        return 2
+    results, failed = {}, []
     for name in args.names or list(scripts):
         print(f"== {name} ==", flush=True)
-        spec = importlib.util.spec_from_file_location(f"embstore_bench_{name}", scripts[name])
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        results[name] = module.main(["--quick"] if args.quick else [])
+        try:
+            spec = importlib.util.spec_from_file_location(f"embstore_bench_{name}", scripts[name])
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            results[name] = module.main(["--quick"] if args.quick else [])
+        except (Exception, SystemExit) as exc:  # SystemExit: a script's own usage or setup error
+            if isinstance(exc, SystemExit) and exc.code in (0, None):
+                continue
+            failed.append(name)
+            logging.getLogger("embstore.cli").debug("benchmark %s failed", name, exc_info=True)
+            print(f"embstore bench: {name} failed: {exc if str(exc) else type(exc).__name__}", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=float))
+        Path(args.json).write_text(json.dumps(results, indent=2, default=_plain))
+    if failed:
+        print(f"embstore bench: {len(failed)} of {len(failed) + len(results)} failed: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _plain(value: object) -> object:
+    """JSON for the numpy scalars and arrays in the figures (``float`` alone turned ints into floats and
+    failed on arrays)."""
+    return value.tolist() if hasattr(value, "tolist") else float(value)

@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Callable
 
 import numpy as np
+
+from embstore.commands.argtypes import nonneg_int, nonneg_seconds, positive_int  # noqa: F401 - for the scripts
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=`` for a rate or duration that a script divides by: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def add_shape_args(ap: argparse.ArgumentParser, bag_word: str) -> None:
+    """The table and batch shape options that bench_dram and bench_train_step share (1M x 64, 4096 x 20)."""
+    ap.add_argument("--quick", action="store_true", help="100k rows per table instead of 1M")
+    ap.add_argument("--tables", type=positive_int, default=8)
+    ap.add_argument("--rows", type=positive_int, default=None, help="rows per table (default 1M, quick 100k)")
+    ap.add_argument("--dim", type=positive_int, default=64)
+    ap.add_argument("--batch", type=positive_int, default=4096, help=f"bags per {bag_word}")
+    ap.add_argument("--pooling", type=positive_int, default=20, help="ids per bag")
 
 
 def zipf_ids(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:

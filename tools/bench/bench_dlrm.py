@@ -62,7 +62,7 @@ from embstore.training.data import ClickBatch, SyntheticClicks
 from embstore.training.dlrm import DLRM, dense_optimizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import import_rows  # noqa: E402
+from _common import import_rows, nonneg_int, positive_int  # noqa: E402
 
 KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306,
           10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
@@ -241,20 +241,22 @@ def precision_auc(root: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tables capped at 100k rows and fewer steps")
-    p.add_argument("--cap", type=int, default=None, help="rows per table at most (default: the Kaggle sizes; quick 100k)")
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 60, quick 10)")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--cap", type=positive_int, default=None,
+                   help="rows per table at most (default: the Kaggle sizes; quick 100k)")
+    p.add_argument("--batch", type=positive_int, default=2048)
+    p.add_argument("--steps", type=positive_int, default=None, help="timed steps per window (default 60, quick 10)")
+    p.add_argument("--warmup", type=nonneg_int, default=None,
                    help="untimed steps first (default 250: the big tables' DRAM caches are full by then, so "
                         "timed steps pay the eviction write-backs of a long run; quick 4)")
-    p.add_argument("--lookahead", type=int, default=4)
-    p.add_argument("--max-warmup", type=int, default=None,
+    p.add_argument("--lookahead", type=nonneg_int, default=4)
+    p.add_argument("--max-warmup", type=nonneg_int, default=None,
                    help="with --layout log, the tiered run warms up beyond --warmup until every log home has "
                         "run its cleaner, up to this many steps (default 6000, quick 0)")
-    p.add_argument("--windows", type=int, default=None,
-                   help="timed windows per side; the two live runs alternate window by window (default 8, quick 2)")
+    p.add_argument("--windows", "--rounds", type=positive_int, default=None,
+                   help="timed windows per side; the two live runs alternate window by window (default 8, quick 2). "
+                        "--rounds, the older name that BENCHMARKS.md's earlier commands use, alternated whole runs")
     p.add_argument("--cold", action="store_true",
                    help="start from fresh tables (rows at their initial values, nothing on disk yet) instead of "
                         "tables whose every row was written first, as after `embstore import`")

@@ -24,18 +24,13 @@ import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import best_rates, zipf_ids  # noqa: E402
+from _common import add_shape_args, best_rates, positive_int, zipf_ids  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tables", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=None)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4096)
-    ap.add_argument("--pooling", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=10,
+    add_shape_args(ap, "lookup")
+    ap.add_argument("--repeats", type=positive_int, default=10,
                     help="timed runs of each side, taking turns; the best of each counts (default 10)")
     args = ap.parse_args(argv)
     rows = args.rows or (100_000 if args.quick else 1_000_000)

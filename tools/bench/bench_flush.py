@@ -24,14 +24,20 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import positive_int  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--layout", choices=["log", "in_place"], default="log")
-    ap.add_argument("--rows", type=int, default=None, help="rows of the home (default 10M, quick 1M)")
-    ap.add_argument("--rows-per-flush", type=int, default=1_000)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="a 1M-row home instead of 10M")
+    ap.add_argument("--layout", choices=["log", "in_place"], default="log",
+                    help="the home's layout: 'log' (slot map) or 'in_place' (presence bitmap)")
+    ap.add_argument("--rows", type=positive_int, default=None, help="rows of the home (default 10M, quick 1M)")
+    ap.add_argument("--rows-per-flush", type=positive_int, default=1_000,
+                    help="random rows written before each flush (default 1000)")
+    ap.add_argument("--repeats", type=positive_int, default=10,
+                    help="timed write+flush turns of each kind; the best counts (default 10)")
     args = ap.parse_args(argv)
     from embstore.tiers.ssd import SSDTier
     from embstore.tiers.ssd_log import LogSSDTier

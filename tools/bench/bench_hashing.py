@@ -23,6 +23,8 @@ lookup a likely cache miss in its id table, the worst case).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from typing import Callable
 
@@ -30,6 +32,9 @@ import numba
 import numpy as np
 
 from embstore.hashing import LearnedHash, ModHash, QRHash
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import positive_int  # noqa: E402
 
 
 def _best_pair(fn: Callable[[], object], base: Callable[[], object], rounds: int) -> tuple[float, float]:
@@ -49,21 +54,31 @@ def _best_pair(fn: Callable[[], object], base: Callable[[], object], rounds: int
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1M ids, 100k known ids, fewer rounds")
-    ap.add_argument("--ids", type=int, default=None, help="ids per mapping call (default 10M, quick 1M)")
-    ap.add_argument("--known", type=int, default=None, help="known ids of the learned hash (default 1M, quick 100k)")
-    ap.add_argument("--buckets", type=int, default=1_000_003, help="rows of the mod and QR tables")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7, quick 3)")
+    ap.add_argument("--ids", type=positive_int, default=None, help="ids per mapping call (default 10M, quick 1M)")
+    ap.add_argument("--known", type=positive_int, default=None,
+                    help="known ids of the learned hash (default 1M, quick 100k)")
+    ap.add_argument("--buckets", type=positive_int, default=1_000_003, help="rows of the mod and QR tables")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="timed rounds (default 7, quick 3)")
     args = ap.parse_args(argv)
+    if args.buckets < 5:
+        ap.error(f"--buckets must be >= 5 (the QR table takes 4 collisions), got {args.buckets}")
     n = args.ids or (1_000_000 if args.quick else 10_000_000)
     known = args.known or (100_000 if args.quick else 1_000_000)
     rounds = args.rounds or (3 if args.quick else 7)
+    threads = numba.get_num_threads()
     numba.set_num_threads(1)
+    try:
+        return _measure(n, known, rounds, args.buckets)
+    finally:
+        numba.set_num_threads(threads)  # `embstore bench` runs the next benchmarks in this process
 
+
+def _measure(n: int, known: int, rounds: int, buckets: int) -> dict:
+    """The figures (on one numba thread): ``n`` ids per call, ``known`` ids for the learned hash."""
     rng = np.random.default_rng(0)
     ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64, endpoint=True)
-    buckets = args.buckets
     base = lambda: ids % buckets  # noqa: E731 - the baseline, on the same array
 
     results: dict = {"ids": n, "buckets": buckets, "known_ids": known}
@@ -91,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     results["learned_mapping_bytes"] = learned.mapping_bytes
     print(f"learned hash fitted on {known} known ids in {results['learned_fit_s']:.1f}s; "
           f"mapping {learned.mapping_bytes / 2**20:.1f} MiB", flush=True)
-    p = np.concatenate([weights / weights.sum() * 0.8, np.full(known // 5, 0.2 / (known // 5))])
+    unseen = known // 5  # none for fewer than 5 known ids: the known ones then take every query
+    p = np.concatenate([weights / weights.sum() * (0.8 if unseen else 1.0), np.full(unseen, 0.2 / max(unseen, 1))])
     zipf_q = universe[rng.choice(universe.size, n, p=p)]
     uniform_q = universe[rng.integers(0, known, n)]
     del ids  # each baseline below runs on the same array as its mapper

@@ -37,7 +37,10 @@ POLICIES = ("lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu"
 FRACTIONS = (0.01, 0.05, 0.10)
 
 
-@numba.njit(cache=True)
+# not cache=True: the cache records the module name the script was loaded under (``__main__``,
+# ``tools.bench.bench_policies``, or `embstore bench`'s unnamed module) and a run loaded under another name
+# failed to import it (ModuleNotFoundError: No module named '<dynamic>')
+@numba.njit
 def exact_lfu_hits(keys, num_keys, max_count, capacity):  # pragma: no cover - numba
     """Hits of the exact full-history LFU (see module doc); ``keys`` in ``[0, num_keys)``."""
     cnt = np.zeros(num_keys, np.int64)
@@ -94,9 +97,9 @@ def exact_lfu_hits(keys, num_keys, max_count, capacity):  # pragma: no cover - n
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small trace")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = ap.parse_args(argv)
     size = dict(batches=20, batch_size=2048, tables=4, ids=200_000) if args.quick else \
         dict(batches=100, batch_size=8192, tables=8, ids=2_000_000)

@@ -16,6 +16,7 @@ block cache affect both alike. ``ratio`` = raw time / tier time; the goal is >= 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -25,6 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from embstore.tiers.rocksdb import RocksDBTier, pack_keys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import positive_int  # noqa: E402
 
 
 def _fill(tier: RocksDBTier, num_rows: int, row_bytes: int, rng: np.random.Generator) -> float:
@@ -39,15 +43,17 @@ def _fill(tier: RocksDBTier, num_rows: int, row_bytes: int, rng: np.random.Gener
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="200k rows and fewer rounds")
-    ap.add_argument("--rows", type=int, default=None, help="rows in the database (default 1M, quick 200k)")
-    ap.add_argument("--row-bytes", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4096, help="unique ids per get")
-    ap.add_argument("--rounds", type=int, default=None, help="timed batches (default 200, quick 60)")
+    ap.add_argument("--rows", type=positive_int, default=None, help="rows in the database (default 1M, quick 200k)")
+    ap.add_argument("--row-bytes", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=4096, help="unique ids per get (at most --rows)")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="timed batches (default 200, quick 60)")
     ap.add_argument("--dir", type=Path, default=None, help="where to build the database (default a temp dir)")
     args = ap.parse_args(argv)
     num_rows = args.rows or (200_000 if args.quick else 1_000_000)
+    if args.batch > num_rows:
+        ap.error(f"--batch ({args.batch}) must not exceed the rows ({num_rows}): a batch holds unique ids")
     rounds = args.rounds or (60 if args.quick else 200)
 
     rng = np.random.default_rng(0)

@@ -47,7 +47,7 @@ import numpy as np
 from fastapi import FastAPI, Request, Response  # module level: the bare app's annotations resolve here
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import zipf_ids  # noqa: E402
+from _common import nonneg_seconds, positive_float, positive_int, zipf_ids  # noqa: E402
 
 
 BINARY = "application/octet-stream"
@@ -101,7 +101,12 @@ class Server:
     def __enter__(self) -> "Server":
         from embstore.server.testing import wait_healthy
 
-        wait_healthy(self.url, self.proc)
+        try:
+            wait_healthy(self.url, self.proc)
+        except BaseException:  # no __exit__ follows: a server that never got healthy must not outlive the bench
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -265,7 +270,7 @@ def _make_ssd_store(path: Path, rows: int, dim: int) -> None:
     import embstore
     from embstore.config import StoreConfig, TableConfig, TierConfig
 
-    cache = rows // 10 * dim * 4
+    cache = max(1, rows // 10) * dim * 4  # at least one row: a tier must hold one
     cfg = StoreConfig((TableConfig("t", rows, dim, tiers=(TierConfig("dram", cache, "lru"), TierConfig("ssd"))),))
     with embstore.create(path, cfg) as store:
         rng = np.random.default_rng(1)
@@ -311,15 +316,18 @@ def _check_rows(url: str, body: bytes, want: np.ndarray) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 s windows, smaller tables")
-    ap.add_argument("--seconds", type=float, default=None, help="one measurement window (default 5, quick 2)")
-    ap.add_argument("--rounds", type=int, default=3, help="windows per side, interleaved; medians are reported")
-    ap.add_argument("--warmup", type=float, default=None, help="unmeasured load per side first (default 3, quick 1.5)")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--dram-rows", type=int, default=None, help="default 1M, quick 100k")
-    ap.add_argument("--ssd-rows", type=int, default=None, help="default 2M, quick 400k")
+    ap.add_argument("--seconds", type=positive_float, default=None,
+                    help="one measurement window (default 5, quick 2)")
+    ap.add_argument("--rounds", type=positive_int, default=3,
+                    help="windows per side, interleaved; medians are reported")
+    ap.add_argument("--warmup", type=nonneg_seconds, default=None,
+                    help="unmeasured load per side first (default 3, quick 1.5)")
+    ap.add_argument("--dim", type=positive_int, default=64)
+    ap.add_argument("--dram-rows", type=positive_int, default=None, help="default 1M, quick 100k")
+    ap.add_argument("--ssd-rows", type=positive_int, default=None, help="default 2M, quick 400k")
     ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the SSD-table ids")
-    ap.add_argument("--concurrency", type=int, default=32, help="connections of the closed-loop load")
-    ap.add_argument("--rate", type=float, default=1000.0, help="fixed request rate for the latency figure")
+    ap.add_argument("--concurrency", type=positive_int, default=32, help="connections of the closed-loop load")
+    ap.add_argument("--rate", type=positive_float, default=1000.0, help="fixed request rate for the latency figure")
     ap.add_argument("--client", choices=sorted(CLIENTS), default="raw", help="load generator (see above)")
     ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temp dir)")
     args = ap.parse_args(argv)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
@@ -35,6 +36,9 @@ from embstore.policies import simulate
 from embstore.stackdist import lru_mrc, stack_distances
 from embstore.traces import dense_keys
 from embstore.tracegen import generate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import positive_float, positive_int  # noqa: E402
 
 
 def python_lru(keys: list[int], capacity: int) -> int:
@@ -94,13 +98,15 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 batches of 4096 samples instead of 40 of 16384")
-    ap.add_argument("--batches", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=None)
-    ap.add_argument("--tables", type=int, default=8)
-    ap.add_argument("--capacity", type=float, default=0.2, help="cache rows: a count, or a fraction of the "
-                                                                "distinct rows when < 1 (default 0.2)")
-    ap.add_argument("--python-prefix", type=int, default=200_000, help="accesses the Python caches replay")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", type=positive_int, default=None, help="trace batches (default 40, quick 8)")
+    ap.add_argument("--batch-size", type=positive_int, default=None,
+                    help="samples per batch (default 16384, quick 4096)")
+    ap.add_argument("--tables", type=positive_int, default=8)
+    ap.add_argument("--capacity", type=positive_float, default=0.2, help="cache rows: a count, or a fraction of "
+                                                                         "the distinct rows when < 1 (default 0.2)")
+    ap.add_argument("--python-prefix", type=positive_int, default=200_000,
+                    help="accesses the Python caches replay")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each; the fastest counts")
     args = ap.parse_args(argv)
     batches = args.batches or (8 if args.quick else 40)
     batch_size = args.batch_size or (4096 if args.quick else 16384)

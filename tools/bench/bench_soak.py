@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import zipf_ids  # noqa: E402
+from _common import positive_float, positive_int, zipf_ids  # noqa: E402
 from bench_server import Server, _make_ssd_store  # noqa: E402
 
 
@@ -87,6 +87,7 @@ async def drive(url: str, rows: int, dim: int, seconds: float, rate: float, warm
             await asyncio.sleep(max(0.0, min(start + i / rate, next_sample) - time.perf_counter()))
         await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - start
+    samples.append((elapsed, rss_bytes(pid)))  # the end, and a sample after the warm-up however short the run
     base = next(r for t, r in samples if t >= warmup)
     end = samples[-1][1]
     return {"requests": counts, "achieved_rps": sum(counts.values()) / elapsed, "errors": errors, "rss_after_warmup_mib": base / 2**20, "rss_end_mib": end / 2**20,
@@ -96,9 +97,10 @@ async def drive(url: str, rows: int, dim: int, seconds: float, rate: float, warm
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="30 s instead of 5 minutes")
-    ap.add_argument("--seconds", type=float, default=None)
-    ap.add_argument("--rate", type=float, default=200.0, help="requests per second (default 200)")
-    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--seconds", type=positive_float, default=None,
+                    help="length of the run, its first fifth (at most 30 s) the warm-up (default 300, quick 30)")
+    ap.add_argument("--rate", type=positive_float, default=200.0, help="requests per second (default 200)")
+    ap.add_argument("--rows", type=positive_int, default=200_000, help="table rows (default 200k)")
     args = ap.parse_args(argv)
     seconds = args.seconds or (30.0 if args.quick else 300.0)
     warmup = min(30.0, seconds / 5)
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         with Server("embstore", str(store)) as srv:
             out = asyncio.run(drive(srv.url, args.rows, dim, seconds, args.rate, warmup, srv.proc.pid))
     total = sum(out["requests"].values())
-    print(f"soak {seconds:.0f} s at {args.rate:.0f} req/s (achieved {out['achieved_rps']:.0f}): {total} requests "
+    print(f"soak {seconds:g} s at {args.rate:g} req/s (achieved {out['achieved_rps']:.0f}): {total} requests "
           f"{out['requests']}, "
           f"errors {out['errors'] or 0}")
     print(f"server RSS {out['rss_after_warmup_mib']:.1f} MiB after warm-up -> {out['rss_end_mib']:.1f} MiB at the "

@@ -40,20 +40,32 @@ import numpy as np
 
 from embstore.tiers.ssd import SLAB_FILE, SSDTier
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import positive_float, positive_int  # noqa: E402
+
 
 def ensure_fio() -> str:
-    """Path of fio, installing the Debian package when it is missing."""
+    """Path of fio, installing the Debian package when it is missing; RuntimeError saying why when that fails
+    (no apt-get, not root, no network)."""
     fio = shutil.which("fio")
     if fio:
         return fio
     print("fio not found; installing it with apt-get", file=sys.stderr)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    if subprocess.run(["apt-get", "install", "-y", "fio"], env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=True)
-        subprocess.run(["apt-get", "install", "-y", "fio"], env=env, capture_output=True, check=True)
+    why = ""
+    try:
+        if subprocess.run(["apt-get", "install", "-y", "fio"], env=env, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=True)
+            subprocess.run(["apt-get", "install", "-y", "fio"], env=env, capture_output=True, check=True)
+    except subprocess.CalledProcessError as exc:
+        lines = (exc.stderr or b"").decode(errors="replace").strip().splitlines()
+        why = f": `{' '.join(exc.cmd)}` failed" + (f" ({lines[-1]})" if lines else f" with status {exc.returncode}")
+    except OSError as exc:
+        why = f": {exc}"
     fio = shutil.which("fio")
     if not fio:
-        raise RuntimeError("fio is not installed and apt-get could not install it")
+        raise RuntimeError(f"fio (the baseline) is not installed and apt-get could not install it{why}; "
+                           "install fio and run again")
     return fio
 
 
@@ -104,14 +116,14 @@ def time_tier(tier: SSDTier, batches: list[np.ndarray], seconds: float) -> tuple
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 GiB slab, one 3 s round")
-    ap.add_argument("--size-gib", type=float, default=None, help="slab size (default 4, quick 1)")
-    ap.add_argument("--row-bytes", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4096, help="unique ids per get")
-    ap.add_argument("--queue-depth", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=None, help="per side per round (default 5, quick 3)")
-    ap.add_argument("--rounds", type=int, default=None, help="fio/tier rounds (default 2, quick 1)")
+    ap.add_argument("--size-gib", type=positive_float, default=None, help="slab size (default 4, quick 1)")
+    ap.add_argument("--row-bytes", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=4096, help="random ids per get (duplicates dropped)")
+    ap.add_argument("--queue-depth", type=positive_int, default=64, help="reads in flight, both sides (default 64)")
+    ap.add_argument("--seconds", type=positive_float, default=None, help="per side per round (default 5, quick 3)")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="fio/tier rounds (default 2, quick 1)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="parent of the temp directory; must be on the SSD (default: $TMPDIR or /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the slab directory")
@@ -121,7 +133,10 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = args.rounds or (1 if args.quick else 2)
     qd = args.queue_depth
 
-    fio = ensure_fio()
+    try:
+        fio = ensure_fio()
+    except RuntimeError as exc:
+        raise SystemExit(f"bench_ssd: error: {exc}") from None
     workdir = Path(tempfile.mkdtemp(prefix="bench_ssd_", dir=args.dir))
     fstype = fs_type(workdir)
     if fstype in ("tmpfs", "ramfs"):

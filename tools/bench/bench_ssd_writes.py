@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +31,11 @@ import numpy as np
 
 from embstore.tiers.ssd import PAGE, SSDTier
 from embstore.tiers.ssd_log import LogSSDTier
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import positive_float, positive_int  # noqa: E402
+
+WARM_PASSES = 20  # the warm-up gives up waiting for the cleaner after this many times the table's rows
 
 
 def filled(cls: type[SSDTier], path: Path, rows: int, row_bytes: int) -> SSDTier:
@@ -57,15 +64,19 @@ def write_for(tier: SSDTier, rng: np.random.Generator, batch: int, rows: np.ndar
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1M rows, 1 round, 3 s per side")
-    p.add_argument("--rows", type=int, default=None, help="rows in the table (default 4M; quick 1M)")
-    p.add_argument("--row-bytes", type=int, default=68, help="bytes per row (default 68: dim 16 + Adagrad state)")
-    p.add_argument("--batch", type=int, default=1000, help="rows per put (default 1000)")
-    p.add_argument("--seconds", type=float, default=None, help="timed seconds per side and round (default 5)")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 2; quick 1)")
+    p.add_argument("--rows", type=positive_int, default=None, help="rows in the table (default 4M; quick 1M)")
+    p.add_argument("--row-bytes", type=positive_int, default=68,
+                   help="bytes per row (default 68: dim 16 + Adagrad state)")
+    p.add_argument("--batch", type=positive_int, default=1000, help="rows per put (default 1000)")
+    p.add_argument("--seconds", type=positive_float, default=None,
+                   help="timed seconds per side and round (default 5; quick 3)")
+    p.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 2; quick 1)")
     p.add_argument("--cycles", type=float, default=2.0,
-                   help="before timing, write this many times the log's spare blocks (its cleaner then runs)")
+                   help="before timing, write this many times the log's spare blocks (its cleaner then runs; "
+                        f"a table whose puts empty whole blocks may never need it: then {WARM_PASSES} times its "
+                        "rows at most)")
     p.add_argument("--dir", default=None, help="where the slabs go (default: a temp dir; needs O_DIRECT)")
     args = p.parse_args(argv)
     rows = args.rows or (1 << 20 if args.quick else 4 << 20)
@@ -80,10 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
         assert isinstance(log, LogSSDTier)
         warm = int(args.cycles * log.spare_blocks * log.rows_per_block)
         written = 0
-        while written < warm or log.cleaned_blocks == 0:
+        # until the cleaner has run; a put that rewrites every row of its blocks leaves none to clean
+        while written < warm or (log.cleaned_blocks == 0 and written < warm + WARM_PASSES * rows):
             ids = np.unique(rng.integers(0, rows, args.batch))
             log.put(ids, payload[:len(ids)])
             written += len(ids)
+        log_cleaned = log.cleaned_blocks
         runs: dict[str, list[dict]] = {"log": [], "in_place": []}
         for r in range(rounds):
             order = (("log", log), ("in_place", inplace)) if r % 2 == 0 else (("in_place", inplace), ("log", log))
@@ -100,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     best = {k: max(v, key=lambda x: x["rows_per_s"]) for k, v in runs.items()}
     result = {
         "rows": rows, "row_bytes": args.row_bytes, "batch": args.batch, "rounds": rounds,
-        "warmup_rows_written_to_log": written,
+        "warmup_rows_written_to_log": written, "log_cleaned_blocks_in_warmup": int(log_cleaned),
         "log": {k: round(v, 3) for k, v in best["log"].items()},
         "in_place": {k: round(v, 3) for k, v in best["in_place"].items()},
         "round_ratios": [round(a["rows_per_s"] / b["rows_per_s"], 2) for a, b in zip(runs["log"], runs["in_place"])],

@@ -21,7 +21,7 @@ import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _common import zipf_ids  # noqa: E402
+from _common import positive_int, zipf_ids  # noqa: E402
 
 
 def run(table, batches: list[np.ndarray], offsets: np.ndarray) -> float:
@@ -33,12 +33,12 @@ def run(table, batches: list[np.ndarray], offsets: np.ndarray) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rows", type=int, default=None)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--batches", type=int, default=30)
-    ap.add_argument("--policy", default="lru+tinylfu")
-    ap.add_argument("--home", default="ssd", choices=["ssd", "rocksdb", "mmap"])
+    ap.add_argument("--quick", action="store_true", help="200k rows instead of 2M")
+    ap.add_argument("--rows", type=positive_int, default=None, help="table rows (default 2M, quick 200k)")
+    ap.add_argument("--dim", type=positive_int, default=64)
+    ap.add_argument("--batches", type=positive_int, default=30, help="warm-up batches, then as many timed ones")
+    ap.add_argument("--policy", default="lru+tinylfu", help="the DRAM cache's policy")
+    ap.add_argument("--home", default="ssd", choices=["ssd", "rocksdb", "mmap"], help="the home tier")
     args = ap.parse_args(argv)
     rows = args.rows or (200_000 if args.quick else 2_000_000)
     row_bytes = args.dim * 4
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
         configs = {
             "all_dram": TableConfig("t", rows, args.dim, tiers=(TierConfig("dram", rows * row_bytes),
                                                                  TierConfig(args.home))),
-            "tiered": TableConfig("t", rows, args.dim, tiers=(TierConfig("dram", rows * row_bytes // 10, args.policy),
+            "tiered": TableConfig("t", rows, args.dim, tiers=(TierConfig("dram", max(1, rows // 10) * row_bytes,
+                                                                          args.policy),
                                                                TierConfig(args.home))),
         }
         weights = rng.standard_normal((rows, args.dim), dtype=np.float32)

@@ -28,7 +28,10 @@ from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.training import TieredEmbeddingBagCollection, state_dim
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import import_rows, zipf_ids  # noqa: E402
+from _common import import_rows, nonneg_int, positive_int, zipf_ids  # noqa: E402
+
+
+WARM_STEPS = 2  # untimed steps at the start of each run
 
 
 def home_io(ebc: TieredEmbeddingBagCollection) -> np.ndarray:
@@ -49,7 +52,7 @@ def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, bat
         import_rows(ebc.tables)
         store.flush()
     offs = batches[0][1]
-    warm = 2
+    warm = WARM_STEPS
     t0, misses0 = 0.0, 0
     it = batches if k is None else ebc.pipeline(batches, lookahead=k, sparse=lambda b: b)
     io0 = np.zeros(2)
@@ -74,13 +77,16 @@ def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, bat
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--lookahead", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="4 tables x 100k rows, batch 1024, 8 steps")
+    ap.add_argument("--steps", type=positive_int, default=None,
+                    help=f"steps per run, the first {WARM_STEPS} untimed (default 12, quick 8)")
+    ap.add_argument("--lookahead", type=nonneg_int, default=3, help="batches the look-ahead run prefetches")
     ap.add_argument("--cold", action="store_true",
                     help="start from fresh tables (rows at their initial values, nothing on disk yet) instead of "
                          "tables whose every row was imported")
     args = ap.parse_args(argv)
+    if args.steps is not None and args.steps <= WARM_STEPS:
+        ap.error(f"--steps must be more than the {WARM_STEPS} untimed ones, got {args.steps}")
     T, rows, B = (4, 100_000, 1024) if args.quick else (8, 1_000_000, 4096)
     D, L = 64, 20
     steps = args.steps or (8 if args.quick else 12)

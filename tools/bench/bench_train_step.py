@@ -28,18 +28,13 @@ from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.training import TieredEmbeddingBagCollection, state_dim
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import best_rates  # noqa: E402
+from _common import add_shape_args, best_rates, positive_int  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tables", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=None)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4096)
-    ap.add_argument("--pooling", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=5, help="timed steps of each side (default 5)")
+    add_shape_args(ap, "step")
+    ap.add_argument("--repeats", type=positive_int, default=5, help="timed steps of each side (default 5)")
     args = ap.parse_args(argv)
     rows = args.rows or (100_000 if args.quick else 1_000_000)
     T, B, L, D = args.tables, args.batch, args.pooling, args.dim

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import positive_float, positive_int  # noqa: E402
 from bench_server import _interleaved, _median, _pct, _quiet_gc  # noqa: E402
 
 
@@ -46,7 +47,12 @@ class ServeProcess:
     def __enter__(self) -> "ServeProcess":
         from embstore.server.testing import wait_healthy
 
-        wait_healthy(self.url, self.proc)
+        try:
+            wait_healthy(self.url, self.proc)
+        except BaseException:  # no __exit__ follows: a server that never got healthy must not outlive the bench
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -86,14 +92,14 @@ put_load = _quiet_gc(_put_load)
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rows", type=int, default=None, help="table rows (default 1M, quick 100k)")
-    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="100k rows, 2 s windows")
+    ap.add_argument("--rows", type=positive_int, default=None, help="table rows (default 1M, quick 100k)")
+    ap.add_argument("--dim", type=positive_int, default=64)
     ap.add_argument("--layout", choices=["in_place", "log"], default="in_place", help="the ssd home's layout")
-    ap.add_argument("--rows-per-put", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=None, help="per window (default 4, quick 2)")
+    ap.add_argument("--rows-per-put", type=positive_int, default=4, help="random rows per PUT (default 4)")
+    ap.add_argument("--concurrency", type=positive_int, default=16, help="PUTs in flight (default 16)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="windows per side, alternating (default 3)")
+    ap.add_argument("--seconds", type=positive_float, default=None, help="per window (default 4, quick 2)")
     args = ap.parse_args(argv)
     rows = args.rows or (100_000 if args.quick else 1_000_000)
     seconds = args.seconds or (2.0 if args.quick else 4.0)
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"rows": rows, "dim": args.dim, "layout": args.layout, "rows_per_put": args.rows_per_put,
                      "concurrency": args.concurrency}
     with tempfile.TemporaryDirectory(dir=os.environ.get("EMBSTORE_BENCH_DIR")) as tmp:
-        cache = rows // 10 * args.dim * 4
+        cache = max(1, rows // 10) * args.dim * 4  # at least one row: a tier must hold one
         cfg = StoreConfig((TableConfig("t", rows, args.dim, tiers=(
             TierConfig("dram", cache, "lru"), TierConfig("ssd", layout=args.layout))),))
         embstore.create(f"{tmp}/a", cfg).close()
