@@ -10,6 +10,7 @@ variants, which report failures as tier I/O errors.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,10 +33,11 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """A binary file to write; on a clean exit it replaces ``path`` durably, on an error it is removed.
 
     An ``OSError`` names ``path`` (not the temp file), e.g. when its directory
-    does not exist.
+    does not exist or ``path`` is a directory. The temp file's name is unique
+    per thread, so threads writing the same target never share (and tear) it.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
     try:
         f = open(tmp, "wb")
     except OSError as exc:
@@ -45,7 +47,10 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from None
         fsync_dir(path.parent)
     finally:
         if tmp.exists():

@@ -7,6 +7,7 @@ trace, tagged with the table's index in ``store.tables``. Replaying the saved
 trace with ``per_table=True`` and the store's tier sizes reproduces the store's
 per-tier hit counts. Calls served by a full-table DRAM fast path bypass the
 hierarchy; while a recorder is attached the table takes the normal path.
+Recorders nest: one attached inside another's block feeds the outer one too.
 """
 
 from __future__ import annotations
@@ -35,13 +36,21 @@ class TraceRecorder:
         self._tab: list[int] = []
         self._lock = threading.Lock()
         self._attached = False
+        self._prev: dict[str, Any] = {}  # each table's recorder before this one: still fed, restored on detach
 
     def __call__(self, table_name: str, rows: np.ndarray) -> None:
-        with self._lock:
-            self._ids.append(np.array(rows, dtype=np.int64, copy=True).reshape(-1))
-            self._tab.append(self._index[table_name])
+        if self._attached:
+            with self._lock:
+                self._ids.append(np.array(rows, dtype=np.int64, copy=True).reshape(-1))
+                self._tab.append(self._index[table_name])
+        prev = self._prev.get(table_name)
+        if prev is not None:  # a recorder attached before this one (nested recording) keeps recording
+            prev(table_name, rows)
 
     def attach(self) -> "TraceRecorder":
+        if self._attached:  # again: it would become its own predecessor
+            return self
+        self._prev = {name: t.recorder for name, t in self.store.tables.items()}
         for t in self.store.tables.values():
             t.recorder = self
         self._attached = True
@@ -49,10 +58,17 @@ class TraceRecorder:
 
     def detach(self) -> None:
         if self._attached:
-            for t in self.store.tables.values():
-                if t.recorder is self:
-                    t.recorder = None
             self._attached = False
+            for name, t in self.store.tables.items():
+                if t.recorder is self:
+                    t.recorder = self._live_prev(name)
+
+    def _live_prev(self, name: str) -> Any:
+        """The nearest earlier recorder of table ``name`` that is still attached (None: recording off)."""
+        prev = self._prev.get(name)
+        while isinstance(prev, TraceRecorder) and not prev._attached:
+            prev = prev._prev.get(name)
+        return prev
 
     def trace(self) -> Trace:
         with self._lock:

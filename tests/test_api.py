@@ -443,3 +443,67 @@ def test_a_config_path_with_a_bracket_is_read_as_a_file(tmp_path) -> None:
     (tmp_path / "plain.toml").write_text(BASE)
     with pytest.raises(embstore.ConfigError, match="does not exist"):  # a file where a folder should be
         StoreConfig.from_toml(str(tmp_path / "plain.toml" / "c.toml"))
+
+
+_POOL_DIMS = (1, 3, 8, 33, 130)
+
+
+@pytest.fixture(scope="module")
+def pool_stores(tmp_path_factory):
+    """One table per tier layout (a small LRU cache, a whole-table DRAM slab, a bare mmap home) per dim,
+    every row written with known values."""
+    base = tmp_path_factory.mktemp("pool")
+    rows = 40
+    layouts = {"lru": lambda d: (TierConfig("dram", 8 * d * 4, "lru"), TierConfig("mmap")),
+               "full": lambda d: (TierConfig("dram", rows * d * 4), TierConfig("mmap")),
+               "mmap": lambda d: (TierConfig("mmap"),)}
+    w = {d: np.random.default_rng(d).standard_normal((rows, d)).astype(np.float32) * 1e3 for d in _POOL_DIMS}
+    stores = {}
+    for name, tiers in layouts.items():
+        s = embstore.create(base / name, StoreConfig(tuple(TableConfig(f"t{d}", rows, d, tiers=tiers(d))
+                                                           for d in _POOL_DIMS)))
+        for d in _POOL_DIMS:
+            s[f"t{d}"].update(np.arange(rows), w[d])
+        stores[name] = s
+    yield stores, w
+    for s in stores.values():
+        s.close()
+
+
+@given(st.lists(st.integers(0, 39), max_size=70), st.lists(st.integers(0, 70), max_size=6), st.booleans(),
+       st.sampled_from(["sum", "mean"]), st.sampled_from(["lru", "full", "mmap"]), st.sampled_from(_POOL_DIMS),
+       st.sampled_from(["numpy", "torch", "strided numpy", "strided torch"]))
+@example([], [], False, "mean", "lru", 3, "numpy")  # one empty bag
+@example([5] * 70, [0, 70, 70], True, "mean", "full", 130, "strided torch")  # one id throughout, empty bags
+def test_pooled_lookup_is_bit_equal_to_torch_embedding_bag(pool_stores, ids, cuts, same, mode, layout, dim,
+                                                           kind) -> None:
+    """Every pooling path (torch's kernel on a resident slab, the numba kernel over deduplicated rows) gives
+    torch's embedding_bag bit for bit, sums and means alike; empty bags are zeros."""
+    stores, w = pool_stores
+    ids = np.array([ids[0]] * len(ids) if same and ids else ids, np.int64)
+    offsets = np.array([0, *sorted(c for c in cuts if c <= len(ids)), len(ids)], np.int64)
+    want = torch.nn.functional.embedding_bag(torch.from_numpy(ids), torch.from_numpy(w[dim]),
+                                             torch.from_numpy(offsets), mode=mode, include_last_offset=True)
+    a, o = (np.repeat(ids, 2)[::2], np.repeat(offsets, 2)[::2]) if kind.startswith("strided") else (ids, offsets)
+    if kind.endswith("torch"):
+        a, o = (torch.from_numpy(np.repeat(ids, 2))[::2], torch.from_numpy(np.repeat(offsets, 2))[::2]) \
+            if kind.startswith("strided") else (torch.from_numpy(a), torch.from_numpy(o))
+    got = stores[layout][f"t{dim}"].lookup_pooled(a, o, mode)
+    assert isinstance(got, torch.Tensor) == kind.endswith("torch")
+    got = got.numpy() if isinstance(got, torch.Tensor) else got
+    assert got.shape == (len(offsets) - 1, dim) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want.numpy())
+    assert not got[np.diff(offsets) == 0].any()
+
+
+@pytest.mark.parametrize("layout", ["lru", "full", "mmap"])
+def test_pooled_lookup_on_the_threaded_kernel_path_is_bit_equal_to_torch(pool_stores, layout) -> None:
+    """Batches past PARALLEL_MIN_ITEMS split their bags over threads: still torch's sums and means exactly."""
+    stores, w = pool_stores
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 40, 40_000)
+    offsets = np.array([0, 1, 1, 25_000, 39_999, 40_000], np.int64)
+    for mode in ("sum", "mean"):
+        want = torch.nn.functional.embedding_bag(torch.from_numpy(ids), torch.from_numpy(w[33]),
+                                                 torch.from_numpy(offsets), mode=mode, include_last_offset=True)
+        np.testing.assert_array_equal(stores[layout]["t33"].lookup_pooled(ids, offsets, mode), want.numpy())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -9,6 +10,8 @@ import pytest
 
 from embstore import traces
 from embstore.atomic import atomic_file, atomic_write
+
+from faultfs import needs_mount
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path) -> None:
@@ -30,3 +33,59 @@ def test_a_missing_directory_is_reported_by_the_target_name(tmp_path) -> None:
     with pytest.raises(FileNotFoundError) as e:
         traces.save(tr, target)
     assert e.value.filename == str(target) and ".tmp" not in str(e.value)
+
+
+def test_target_that_is_a_directory_is_named_not_the_temp(tmp_path) -> None:
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_write(tmp_path / "d", b"x")
+    assert e.value.filename == str(tmp_path / "d") and ".tmp" not in str(e.value)
+    assert os.listdir(tmp_path) == ["d"] and os.listdir(tmp_path / "d") == []
+
+
+def test_threads_writing_one_target_never_fail_or_tear_it(tmp_path) -> None:
+    """The temp name was per process only: two threads shared one temp file, so writes failed
+    (FileNotFoundError when the other thread had already renamed it) or landed in the live file."""
+    import threading
+
+    target = tmp_path / "f.bin"
+    errors: list[BaseException] = []
+    seen: set[bytes] = set()
+
+    def writer(c: int) -> None:
+        for _ in range(150):
+            try:
+                atomic_write(target, bytes([c]) * (1 << 15))
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+                errors.append(exc)
+
+    def reader() -> None:
+        for _ in range(300):
+            try:
+                data = target.read_bytes()
+            except FileNotFoundError:
+                continue
+            seen.add(data if len(set(data)) != 1 else data[:1] * (len(data) == 1 << 15))
+
+    threads = [threading.Thread(target=writer, args=(c,)) for c in (65, 66)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and seen <= {b"A", b"B"}  # every read saw one whole file
+    assert target.read_bytes() in (b"A" * (1 << 15), b"B" * (1 << 15))
+    assert os.listdir(tmp_path) == ["f.bin"]
+
+
+@needs_mount
+def test_a_full_disk_keeps_the_old_file_and_leaves_no_temp(tiny_tmpfs) -> None:
+    target = tiny_tmpfs.path / "f.bin"
+    atomic_write(target, b"old")
+    with pytest.raises(OSError) as e:
+        atomic_write(target, b"x" * (8 << 20))  # twice the 4 MiB file system
+    assert e.value.errno == errno.ENOSPC
+    assert target.read_bytes() == b"old" and os.listdir(tiny_tmpfs.path) == ["f.bin"]
+    tr = traces.Trace(np.arange(1 << 20), np.zeros(1 << 20, np.int32), np.array([0, 1 << 20]))
+    with pytest.raises(OSError):
+        traces.save(tr, tiny_tmpfs.path / "f.bin")
+    assert target.read_bytes() == b"old" and os.listdir(tiny_tmpfs.path) == ["f.bin"]

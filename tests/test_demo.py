@@ -70,3 +70,15 @@ def test_cli_runs_the_demo_and_refuses_a_used_folder(tmp_path, capsys):
     assert s["steps"] == 4 and s["quick"] is True
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 2
     assert "already holds a demo run" in capsys.readouterr().err
+
+
+def test_cli_exits_1_when_a_served_answer_differs(tmp_path, monkeypatch, capsys):
+    """The demo is an end-to-end check: a mismatch used to be printed and still exit 0."""
+    import embstore.demo as demo_mod
+
+    served = {"rows_equal": True, "pooled_equal": False, "scores_equal": True}
+    monkeypatch.setattr(demo_mod, "run", lambda *a, **k: {"served": served})
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 1
+    assert "pooled_equal" in capsys.readouterr().err
+    served["pooled_equal"] = True
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0

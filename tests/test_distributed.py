@@ -74,3 +74,49 @@ def _shard_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_shard_keeps_owned_rows_and_pools_every_bag(tmp_path):
     mp.spawn(_shard_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+
+
+def _bad_ids_and_learned_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A bad id in the global batch raises the same typed error on every rank (it used to raise only on the
+    rank owning its row, leaving the others in the all-reduce); a relative learned mapping is found where
+    the one-process store finds it (the working directory), not in the hashless rank store."""
+    import datetime
+    import os
+
+    import pytest
+
+    import embstore
+    from embstore.config import StoreConfig, TableConfig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        os.chdir(out)  # where m.ehash lies
+        plain = TableConfig.from_dict({"name": "p", "num_embeddings": 7, "dim": 2, "tiers": [{"kind": "mmap"}]})
+        learned = TableConfig.from_dict({"name": "l", "num_embeddings": 16, "dim": 2, "tiers": [{"kind": "mmap"}],
+                                         "hash": {"kind": "learned", "mapping": "m.ehash"}})
+        cfgs = (plain, learned)
+        store = embstore.create(Path(out) / f"s{rank}", StoreConfig(tuple(hashless(c) for c in cfgs)))
+        sh = ShardedEmbeddingBags(store, list(cfgs), DistContext(rank, world))
+        ids_l = torch.tensor([3, 10**9, 4, 8, 5, 99])
+        offsets = torch.tensor([0, 2, 2, 5, 6])
+        for bad in (7, -1):  # row 7 % 2 == 1 and -1 % 2 == 1: only rank 1 owned it
+            with pytest.raises(embstore.IdOutOfRangeError, match=f"id {bad} outside"):
+                sh([torch.tensor([1, 2, bad, 3, 0, 6]), ids_l], [offsets, offsets])
+        raw_p = np.array([1, 2, 6, 3, 0, 6])
+        with torch.no_grad():
+            pooled = sh([torch.from_numpy(raw_p), ids_l], [offsets, offsets])
+        ref = embstore.create(Path(out) / f"ref{rank}", StoreConfig(cfgs))
+        o = offsets.numpy()
+        np.testing.assert_allclose(pooled[:, 0].numpy(), ref["p"].lookup_pooled(raw_p, o)[2 * rank:2 * rank + 2])
+        np.testing.assert_allclose(pooled[:, 1].numpy(),
+                                   ref["l"].lookup_pooled(ids_l.numpy(), o)[2 * rank:2 * rank + 2], rtol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_ids_raise_on_every_rank_and_learned_mappings_resolve(tmp_path):
+    from embstore.hashing import LearnedHash
+
+    LearnedHash.fit(np.random.default_rng(0).zipf(1.3, 3000).astype(np.int64), 16).save(tmp_path / "m.ehash")
+    mp.spawn(_bad_ids_and_learned_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)

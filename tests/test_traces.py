@@ -460,3 +460,112 @@ def test_cli_gen_checks_out_before_the_work_and_names_the_sub_verb(tmp_path, cap
 
 def test_module_exports():
     assert set(traces.__all__) <= set(dir(traces))
+
+
+# --------------------------------------------------------------------------- recorder (a store's own trace)
+def _rec_store(path: Path):
+    import embstore
+    from embstore.config import HashConfig, StoreConfig, TableConfig, TierConfig
+
+    return embstore.create(path, StoreConfig((
+        TableConfig("lru", 60, 4, tiers=(TierConfig("dram", 8 * 16, "lru"), TierConfig("mmap"))),
+        TableConfig("full", 60, 4, tiers=(TierConfig("dram", 60 * 16), TierConfig("mmap"))),  # resident fast path
+        TableConfig("mod", 60, 4, hash=HashConfig("mod"), tiers=(TierConfig("mmap"),)))))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["lru", "full", "mod"]), st.booleans(),
+                          st.lists(st.integers(-5, 70), min_size=1, max_size=12)), max_size=8))
+def test_recorder_records_each_calls_unique_physical_rows_and_skips_refused_calls(calls):
+    """One batch per call that reaches the tiers: its distinct physical rows in first-appearance order
+    (hashed ids after the hash); a call refused for bad ids records nothing; the file loads back."""
+    import embstore
+    from embstore.recorder import record
+
+    with tempfile.TemporaryDirectory() as d:
+        with _rec_store(Path(d) / "s") as store, record(store, Path(d) / "t.npz"):
+            want = []
+            for name, pooled, ids in calls:
+                arr = np.array(ids, np.int64)
+                try:
+                    if pooled:
+                        store[name].lookup_pooled(arr, np.array([0, len(arr)], np.int64))
+                    else:
+                        store[name].lookup(arr)
+                except embstore.IdOutOfRangeError:
+                    assert name != "mod" and (arr.min() < 0 or arr.max() >= 60)
+                    continue
+                rows = store[name].mapper(arr) if name == "mod" else arr
+                want.append((list(store.tables).index(name), list(dict.fromkeys(rows.tolist()))))
+        got = load(Path(d) / "t.npz")
+    assert got.table_names == ("lru", "full", "mod") and got.num_batches == len(want)
+    for b, (t, rows) in enumerate(want):
+        lo, hi = got.batch_offsets[b], got.batch_offsets[b + 1]
+        assert got.ids[lo:hi].tolist() == rows and set(got.table[lo:hi].tolist()) <= {t}
+
+
+def test_recorded_trace_saves_loads_and_replays(tmp_path, capsys):
+    from embstore.recorder import record
+
+    with _rec_store(tmp_path / "s") as store:
+        with record(store, tmp_path / "t.npz") as rec:
+            store["lru"].lookup(np.array([5, 3, 5, 7]))
+            store["mod"].lookup_pooled(np.array([10**12, 3, 3]), np.array([0, 1, 3]))
+            store["full"].lookup(np.array([1, 2]))
+        store["lru"].lookup(np.array([9]))  # after the block: not recorded
+        assert all(t.recorder is None for t in store.tables.values())
+    got = load(tmp_path / "t.npz")
+    _eq(got, rec.trace())
+    assert got.num_batches == 3 and got.ids[:3].tolist() == [5, 3, 7]
+    assert cli_main(["replay", str(tmp_path / "t.npz"), "--json", "--policy", "lru", "--capacity", "4"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["accesses"] == got.ids.size
+
+
+def test_nested_recorders_both_see_every_read(tmp_path):
+    """A recording inside another's block used to detach the outer one for good: it missed every later read."""
+    from embstore.recorder import record
+
+    with _rec_store(tmp_path / "s") as store:
+        t = store["lru"]
+        with record(store) as outer:
+            t.lookup(np.array([1]))
+            with record(store) as inner:
+                t.lookup(np.array([2]))
+            t.lookup(np.array([3]))
+        assert outer.trace().ids.tolist() == [1, 2, 3] and inner.trace().ids.tolist() == [2]
+        assert t.recorder is None
+        # detached out of order: the outer one stops at once, the inner one goes on, then recording is off
+        a = record(store)
+        outer = a.__enter__()
+        b = record(store)
+        inner = b.__enter__()
+        t.lookup(np.array([4]))
+        a.__exit__(None, None, None)
+        t.lookup(np.array([5]))
+        b.__exit__(None, None, None)
+        t.lookup(np.array([6]))
+        assert outer.trace().ids.tolist() == [4] and inner.trace().ids.tolist() == [4, 5]
+        assert all(x.recorder is None for x in store.tables.values())
+
+
+def test_recorder_across_threads_keeps_every_call_whole(tmp_path):
+    import threading
+
+    from embstore.recorder import record
+
+    with _rec_store(tmp_path / "s") as store, record(store) as rec:
+        def work(k: int) -> None:
+            rng = np.random.default_rng(k)
+            for i in range(100):
+                store[("lru", "full", "mod")[(k + i) % 3]].lookup(rng.integers(0, 60, rng.integers(1, 20)))
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    got = rec.trace()
+    assert got.num_batches == 400
+    for b in range(got.num_batches):
+        lo, hi = got.batch_offsets[b], got.batch_offsets[b + 1]
+        assert len(set(got.table[lo:hi].tolist())) == 1 and len(set(got.ids[lo:hi].tolist())) == hi - lo

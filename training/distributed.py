@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from embstore.arrays import check_id_range
 from embstore.config import HashConfig, TableConfig
 from embstore.errors import InvalidInputError
 from embstore.hashing import build_hash
@@ -110,7 +111,9 @@ class ShardedEmbeddingBags(nn.Module):
         self.table_names = [c.name for c in table_configs]
         self.mappers = []
         for c in table_configs:
-            m = build_hash(c.hash, c.num_embeddings, getattr(store, "path", None))
+            # a rank's store is hashless and holds no mapping: a relative learned mapping is taken from the
+            # working directory, as embstore.create adopts it for the one-process run
+            m = build_hash(c.hash, c.num_embeddings)
             if m is not None and m.rows_per_id != 1:
                 raise InvalidInputError(f"table {c.name!r}: sharded training supports one row per id "
                                         f"(hash kind none, mod or learned), not {c.hash.kind.value!r}")
@@ -127,6 +130,9 @@ class ShardedEmbeddingBags(nn.Module):
         w, r = self.ctx.world, self.ctx.rank
         out_ids, out_offs = [], []
         for t, (x, o) in enumerate(zip(id_list, off_list)):
+            if self.mappers[t] is None:  # checked on the global batch, so every rank raises, not just the owner
+                check_id_range(x, self.num_rows[t], f"table {self.table_names[t]!r}",
+                               "; give the table a hash (hash = { kind = 'mod' }) to accept any id")
             rows = self.mappers[t](x) if self.mappers[t] is not None else x
             keep = rows % w == r
             bag = np.repeat(np.arange(len(o) - 1), np.diff(o))

@@ -22,7 +22,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """0 when every served answer matched the store, else 1: the demo is also an end-to-end check."""
+    import sys
+
     from embstore.demo import run
 
-    run(args.out, quick=args.quick, steps=args.steps)
+    served = run(args.out, quick=args.quick, steps=args.steps)["served"]
+    failed = [k for k in ("rows_equal", "pooled_equal", "scores_equal") if not served[k]]
+    if failed:
+        print(f"embstore demo: error: served answers differ from the store ({', '.join(failed)} is false)",
+              file=sys.stderr)
+        return 1
     return 0
