@@ -8,6 +8,9 @@ trace with ``per_table=True`` and the store's tier sizes reproduces the store's
 per-tier hit counts. Calls served by a full-table DRAM fast path bypass the
 hierarchy; while a recorder is attached the table takes the normal path.
 Recorders nest: one attached inside another's block feeds the outer one too.
+Training (``TieredEmbeddingBagCollection``) records each batch's distinct rows
+per table as it enters the look-ahead window: what the model reads, above its
+working set (so per-tier counts of a training run are not reproduced).
 """
 
 from __future__ import annotations

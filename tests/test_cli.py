@@ -133,6 +133,17 @@ def test_help_of_every_verb() -> None:
         assert r.returncode == 0 and "usage: embstore " + verb in r.stdout
 
 
+def test_train_help_states_each_default_once_and_truly(capsys) -> None:
+    """`train --help` printed '(default: train_out)' twice and '--no-progress ... (default: True)'
+    (the store_false dest's default), which reads as progress being off by default."""
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("(default: train_out)") == 1
+    assert "(default: True)" not in out and "(default: False)" not in out
+
+
 def test_import_of_a_zip_archive_is_a_clear_error(store_path, tmp_path, capsys) -> None:
     """np.load opens any zip (an .npz, a torch.save file) as an NpzFile: import crashed with an
     AttributeError traceback (exit 1) instead of naming the file."""

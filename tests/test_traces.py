@@ -504,6 +504,32 @@ def test_recorder_records_each_calls_unique_physical_rows_and_skips_refused_call
         assert got.ids[lo:hi].tolist() == rows and set(got.table[lo:hi].tolist()) <= {t}
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_recorder_records_training_batches_too(tmp_path, lookahead):
+    """Training reads rows through the working set, not lookup(): each batch still becomes one trace batch
+    per table, holding its distinct physical rows (hashed for 'mod'), prefetched or not."""
+    import torch
+
+    from embstore.recorder import record
+    from embstore.training import TieredEmbeddingBagCollection
+
+    rng = np.random.default_rng(3)
+    batches = [([torch.from_numpy(rng.integers(0, 60, 9)), torch.from_numpy(rng.integers(0, 10**9, 9))],
+                [torch.tensor([0, 4, 9])] * 2) for _ in range(4)]
+    with _rec_store(tmp_path / "s") as store, record(store, tmp_path / "t.npz"):
+        ebc = TieredEmbeddingBagCollection(store, ["lru", "mod"], optimizer="sgd", lr=0.1, lookahead=lookahead)
+        for ids, offs in ebc.pipeline(batches):
+            ebc(ids, offs).sum().backward()
+        ebc.flush()
+        want = [(t, set((store["mod"].mapper(x.numpy()) if t == 2 else x.numpy()).tolist()))
+                for ids, _ in batches for t, x in zip((0, 2), ids)]
+    got = load(tmp_path / "t.npz")
+    assert got.num_batches == len(want)
+    for b, (t, rows) in enumerate(want):
+        lo, hi = got.batch_offsets[b], got.batch_offsets[b + 1]
+        assert set(got.table[lo:hi].tolist()) == {t} and set(got.ids[lo:hi].tolist()) == rows and hi - lo == len(rows)
+
+
 def test_recorded_trace_saves_loads_and_replays(tmp_path, capsys):
     from embstore.recorder import record
 

@@ -365,6 +365,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         """
         rows = [self._physical(t, batch.ids[t]).reshape(-1) for t in range(len(self.ws))]
         for ws, (uniq, inv) in zip(self.ws, unique_inverse_each(rows)):
+            if ws.table.recorder is not None:  # a trace of training: each batch's distinct rows (embstore.recorder)
+                ws.table.recorder(ws.table.name, uniq)
             with self._lock:
                 slots, missing = ws.reserve(uniq, batch.seq)
             batch.uniq.append(uniq)

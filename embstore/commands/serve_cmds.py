@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "crash loses those since the last flush")
     p.add_argument("--flush-interval", type=nonneg_seconds, default=30.0,
                    help="seconds between flushes of written rows into the tiers (each also empties the write-ahead "
-                        "log, and rewrites the written tables' home indexes); 0 = only on shutdown and reload, the "
+                        "log, and commits the written tables' home indexes); 0 = only on shutdown and reload, the "
                         "log growing until then; with --no-durable-writes, the window a crash can lose (default 30)")
     p.add_argument("--batch-wait-ms", type=batch_wait_ms, default=0.0,
                    help="milliseconds an idle table waits for more lookups to read together; 0 = coalesce only "

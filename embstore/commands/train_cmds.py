@@ -12,8 +12,9 @@ def register(subparsers: Any) -> None:
         description="Train a DLRM whose embedding tables live in an embstore store. Prints progress, and at each "
                     "evaluation AUC, log loss and normalised entropy on the held-out split; writes checkpoints, "
                     "curves.png and metrics.json under --out. For several processes use "
-                    "'torchrun --nproc-per-node N -m embstore.training CONFIG.toml'.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "'torchrun --nproc-per-node N -m embstore.training CONFIG.toml'.")
+    # no ArgumentDefaultsHelpFormatter: the help texts state their defaults, and it printed
+    # '--no-progress ... (default: True)', the store_false dest's value, not what the flag does
     from embstore.training.trainer import add_arguments
     add_arguments(p)
     p.set_defaults(func=_run)
