@@ -261,6 +261,9 @@ def _guess_format(p: Path) -> str:
 
 
 def _load_npz(p: Path) -> Trace:
+    if p.is_file() and not zipfile.is_zipfile(p):  # np.load would take it for a pickle and say so
+        raise CorruptStoreError(f"trace file {str(p)!r} is not an npz archive (a zip of .npy arrays, as "
+                                "embstore.traces.save or numpy.savez write)")
     try:
         with np.load(p, allow_pickle=False) as z:
             missing = [k for k in ("ids", "table", "batch_offsets") if k not in z.files]

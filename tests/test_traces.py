@@ -267,6 +267,11 @@ def test_corrupt_npz(tmp_path):
     np.savez(q, ids=np.array([1]), table=np.array([0]))
     with pytest.raises(CorruptStoreError, match="lacks the array.*batch_offsets"):
         load(q)
+    r = tmp_path / "text.npz"
+    r.write_text("ids,table\n1,0\n")  # not a zip at all: said so, not numpy's advice to unpickle it
+    with pytest.raises(CorruptStoreError, match="not an npz archive") as err:
+        load(r)
+    assert "pickle" not in str(err.value)
 
 
 def test_npz_wrong_dtypes(tmp_path):
