@@ -34,6 +34,7 @@ class ConfigError(EmbstoreError, ValueError):
 
     def __init__(self, key: str, message: str) -> None:
         self.key = key
+        self.reason = message  # without the key: a command-line flag's error names the flag instead
         super().__init__(f"config key {key!r}: {message}")
 
 

@@ -19,10 +19,12 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from embstore.errors import InvalidInputError
 from embstore.traces import Trace, save
 
 __all__ = ["TraceRecorder", "record"]
@@ -85,7 +87,13 @@ class TraceRecorder:
 
 @contextmanager
 def record(store: Any, path: str | os.PathLike[str] | None = None) -> Iterator[TraceRecorder]:
-    """Record every read of ``store`` inside the block; save the trace (npz) to ``path`` on exit."""
+    """Record every read of ``store`` inside the block; save the trace (npz) to ``path`` on exit.
+
+    ``path`` is checked first: a recording that could not be saved is refused, not lost at the end."""
+    if path is not None:
+        target = Path(path)
+        if target.is_dir() or not target.parent.is_dir():
+            raise InvalidInputError(f"trace path {str(target)!r}: not a file in an existing directory")
     rec = TraceRecorder(store).attach()
     try:
         yield rec

@@ -58,7 +58,7 @@ class PooledRequest(_Body):
 
     ids: list[Int64]
     offsets: list[Int64]
-    mode: Literal["sum", "mean"] = "sum"
+    mode: Literal["sum", "mean"] | None = None  # None: "sum" (None tells an omitted mode from a given one)
 
 
 class RowsRequest(_Body):
@@ -210,9 +210,12 @@ def parse_pooled(body: bytes, binary: bool, max_ids: int, num_bags: int | None,
     req = PooledRequest.model_validate_json(body)
     _check_count(len(req.ids), max_ids)
     _check_count(len(req.offsets) - 1, max_ids, "bags")
+    if mode is not None and req.mode is None:
+        raise ApiError(400, f"mode={mode!r} is a query parameter of the binary protocol only; a JSON body "
+                            'carries its own ("mode": "sum" | "mean", default "sum")')
     if mode is not None and mode != req.mode:
         raise ApiError(400, f"mode given twice: {mode!r} in the query and {req.mode!r} in the body")
-    return np.array(req.ids, dtype=np.int64), np.array(req.offsets, dtype=np.int64), req.mode
+    return np.array(req.ids, dtype=np.int64), np.array(req.offsets, dtype=np.int64), req.mode or "sum"
 
 
 def parse_rows(body: bytes, max_ids: int, dim: int) -> tuple[np.ndarray, np.ndarray]:

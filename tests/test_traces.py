@@ -535,6 +535,18 @@ def test_recorder_records_training_batches_too(tmp_path, lookahead):
         assert set(got.table[lo:hi].tolist()) == {t} and set(got.ids[lo:hi].tolist()) == rows and hi - lo == len(rows)
 
 
+def test_recorder_refuses_a_path_it_could_not_save_to_before_recording(tmp_path):
+    import embstore
+    from embstore.recorder import record
+
+    with _rec_store(tmp_path / "s") as store:
+        for bad in (tmp_path / "no" / "t.npz", tmp_path):
+            with pytest.raises(embstore.InvalidInputError, match="not a file in an existing directory"):
+                with record(store, bad):
+                    pass
+            assert all(t.recorder is None for t in store.tables.values())
+
+
 def test_recorded_trace_saves_loads_and_replays(tmp_path, capsys):
     from embstore.recorder import record
 

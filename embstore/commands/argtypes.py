@@ -48,4 +48,4 @@ def byte_size(text: str) -> int:
     try:
         return parse_bytes(text, "size")
     except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(exc.reason) from None
