@@ -67,8 +67,11 @@ class RowFormat:
     def encode(self, rows: Rows, state: np.ndarray | None = None) -> RowBytes:
         """float32 (n, dim) [+ float32 (n, state_dim)] -> uint8 (n, row_bytes)."""
         n = rows.shape[0]
-        out = np.empty((n, self.row_bytes), dtype=np.uint8)
         e = self.embedding_bytes
+        if self.dtype is RowDType.FLOAT32 and not self.state_dim and rows.dtype == np.float32 \
+                and rows.flags.c_contiguous:
+            return rows.view(np.uint8).reshape(n, e)  # the bytes as they are: no copy (callers only read it)
+        out = np.empty((n, self.row_bytes), dtype=np.uint8)
         if self.dtype is RowDType.FLOAT32:
             out[:, :e] = np.ascontiguousarray(rows, dtype=np.float32).view(np.uint8).reshape(n, e)
         elif self.dtype is RowDType.FLOAT16:

@@ -207,7 +207,10 @@ class Table:
         with self._lock:
             self._check_open()
             uniq, last = unique_last(phys)
-            self.hierarchy.write(uniq, self.format.encode(vals[last]))
+            if len(uniq) == len(phys):  # distinct already (the common case): no gather
+                self.hierarchy.write(phys, self.format.encode(vals))
+            else:
+                self.hierarchy.write(uniq, self.format.encode(vals[last]))
 
     def read_physical(self, rows: Ids) -> np.ndarray:
         """float32 rows by physical row id (no hashing); for export and training."""

@@ -8,6 +8,8 @@ Figures (each a ratio measured in this run; the two sides of a ratio take turns,
 - pooled: ``Table.lookup_pooled`` vs ``torch.nn.functional.embedding_bag`` (sum) on
   the same float32 rows, ids and offsets; uniform and Zipf(1.05) ids. Goal >= 1.0x.
 - raw: ``Table.lookup`` vs numpy fancy indexing ``weights[ids]``. Goal >= 0.8x.
+- update: ``Table.update`` of a batch's distinct rows vs numpy's ``weights[ids] = rows``
+  (no goal; reported).
 """
 
 from __future__ import annotations
@@ -89,6 +91,25 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['torch_pooled_rows_per_s'] / 1e6:6.1f} M rows/s, ratio {r['pooled_ratio']:.2f}x (goal >= 1.0)")
             print(f"[{dist:7s}] raw:    embstore {r['raw_rows_per_s'] / 1e6:6.1f} M rows/s, numpy  "
                   f"{r['numpy_raw_rows_per_s'] / 1e6:6.1f} M rows/s, ratio {r['raw_ratio']:.2f}x (goal >= 0.8)")
+        # writes: Table.update of a batch's distinct rows vs numpy's fancy assignment into the same array
+        ids = [np.unique(rng.integers(0, rows, n)) for _ in range(args.tables)]
+        vals = [rng.standard_normal((len(x), args.dim), dtype=np.float32) for x in ids]
+
+        def ours_update():
+            for i, (x, v) in enumerate(zip(ids, vals)):
+                tables[i].update(x, v)
+
+        def numpy_update():
+            for w, x, v in zip(weights, ids, vals):
+                w[x] = v
+
+        items = sum(len(x) for x in ids)
+        upd = best_rates({"ours": ours_update, "numpy": numpy_update}, items, args.repeats)
+        assert np.array_equal(tables[0].lookup(ids[0]), vals[0])
+        results["update"] = {"rows_per_s": upd["ours"], "numpy_rows_per_s": upd["numpy"],
+                             "ratio": upd["ours"] / upd["numpy"]}
+        print(f"[update ] rows:   embstore {upd['ours'] / 1e6:6.1f} M rows/s, numpy  {upd['numpy'] / 1e6:6.1f} "
+              f"M rows/s, ratio {upd['ours'] / upd['numpy']:.2f}x (Table.update of distinct rows; reported)")
         store.close()
     return results
 
