@@ -17,7 +17,18 @@ import uvicorn
 
 
 def wait_healthy(url: str, proc: Any = None, timeout: float = 120.0) -> None:
-    """Poll ``url``/healthz until it answers 200; fail early when ``proc`` (a server subprocess) exits."""
+    """Poll ``url``/healthz until it answers 200; fail early when ``proc`` (a server subprocess) exits.
+    On any failure ``proc`` is killed: a server that never got healthy must not outlive its caller."""
+    try:
+        _poll_healthy(url, proc, timeout)
+    except BaseException:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def _poll_healthy(url: str, proc: Any, timeout: float) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout

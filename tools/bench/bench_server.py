@@ -101,12 +101,7 @@ class Server:
     def __enter__(self) -> "Server":
         from embstore.server.testing import wait_healthy
 
-        try:
-            wait_healthy(self.url, self.proc)
-        except BaseException:  # no __exit__ follows: a server that never got healthy must not outlive the bench
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        wait_healthy(self.url, self.proc)  # kills the server if it never gets healthy
         return self
 
     def __exit__(self, *exc: object) -> None:

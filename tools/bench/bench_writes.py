@@ -47,12 +47,7 @@ class ServeProcess:
     def __enter__(self) -> "ServeProcess":
         from embstore.server.testing import wait_healthy
 
-        try:
-            wait_healthy(self.url, self.proc)
-        except BaseException:  # no __exit__ follows: a server that never got healthy must not outlive the bench
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        wait_healthy(self.url, self.proc)  # kills the server if it never gets healthy
         return self
 
     def __exit__(self, *exc: object) -> None:
