@@ -97,15 +97,13 @@ class Hierarchy:
         self._write_back(level, tier, ids, r)
         stays = r.slots >= 0
         stays[stays] &= tier.directory.keys_at(r.slots[stays]) == ids[stays]
-        if stays.all():  # every row lands (a whole-table cache, a batch that fits): no copies
-            slots = r.slots
-            tier.write_slots(slots, rows)
-        else:
-            slots = r.slots[stays]
-            tier.write_slots(slots, rows[stays])
-            self._write(level + 1, ids[~stays], rows[~stays])
-        tier.dirty[slots] = True
+        whole = stays.all()  # every row lands (a whole-table cache, a batch that fits): no copies
+        slots = r.slots if whole else r.slots[stays]
+        tier.write_slots(slots, rows if whole else rows[stays])
+        tier.dirty[slots] = True  # before the rest goes down: if that fails, these still get written back
         tier.counters.bytes_written += len(slots) * tier.row_bytes
+        if not whole:
+            self._write(level + 1, ids[~stays], rows[~stays])
 
     def _write_back(self, level: int, tier: CacheTier, ids: Ids, r: AccessResult) -> None:
         """Rows the batch ``ids`` (accessed as ``r``) evicted: write the dirty ones one level down (their

@@ -194,6 +194,20 @@ def test_a_failed_write_back_keeps_the_evicted_dirty_rows() -> None:
     assert h.read(np.array([1, 2, 3], np.int64))[:, 0].tolist() == [9, 9, 3]
 
 
+def test_rows_that_landed_stay_dirty_when_the_rest_of_the_write_fails_below() -> None:
+    """A write of 3 rows into a 2-row cache: one goes down to the home, which fails. The 2 that landed
+    read as written and must reach the home at the next flush (not vanish when evicted clean)."""
+    home = FlakyHome()
+    h = Hierarchy([DRAMTier(ROW, 2, "lru", num_rows=100)], home, initial)
+    home.fail_at = 0
+    with pytest.raises(TierIOError):
+        h.write(np.array([1, 2, 3], np.int64), np.full((3, ROW), 7, np.uint8))
+    landed = [k for k in (1, 2, 3) if h.caches[0].directory.lookup(np.array([k], np.int64))[0] >= 0]
+    assert len(landed) == 2
+    h.flush()
+    assert all(home.data[k] == bytes([7] * ROW) for k in landed)
+
+
 class WriteBackCheckingHome(DictHome):
     """Refuses a put that would not change the home: a clean row written back (every write in the test
     below carries a fresh value, so a dirty row always differs from the home's copy)."""
