@@ -191,7 +191,7 @@ class Store:
             fd = self._wal.sync_handle()
         if fd >= 0:
             try:
-                os.fdatasync(fd)
+                self._wal.sync(fd)
             finally:
                 os.close(fd)
 
@@ -216,8 +216,15 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        with self._wal_lock:
-            sealed = self._wal.seal()
+        try:
+            with self._wal_lock:
+                sealed = self._wal.seal()
+        except BaseException:  # the tables still flush and close (releasing their tier locks, so that the
+            try:               # store can be opened again); the log stays, replayed by the next open
+                close_all(list(self.tables.values()))
+            finally:
+                self._wal.close()
+            raise
         close_all(list(self.tables.values()))  # every table, even when one fails (then raises)
         self._wal.drop_before(sealed)
 

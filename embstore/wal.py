@@ -24,6 +24,7 @@ than what is left of the file is damage, not a reason to allocate it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -35,7 +36,7 @@ from typing import BinaryIO
 import numpy as np
 
 from embstore.atomic import fsync_dir
-from embstore.errors import CorruptStoreError
+from embstore.errors import CorruptStoreError, TierIOError, tier_io_error
 
 __all__ = ["WAL_DIR", "WriteAheadLog", "read_records"]
 
@@ -126,19 +127,46 @@ class WriteAheadLog:
         existing = _segments(self.directory)
         self._seq = int(existing[-1].stem) + 1 if existing else 1
         self._fd = -1
+        self._torn_seq: int | None = None  # a segment left with a partial record that could not be cut off
 
     def _segment(self, seq: int) -> Path:
         return self.directory / f"{seq:08d}.log"
 
     def append(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
-        if self._fd < 0:
-            self.directory.mkdir(exist_ok=True)
-            self._fd = os.open(self._segment(self._seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-            fsync_dir(self.directory)
+        """Append one record; a failed append (a full disk, EIO) raises a ``TierIOError`` and leaves no
+        part of it behind: replay stops at the first torn record, so a torn one left in the middle of the
+        segment would hide every acknowledged write appended after it."""
+        if self._torn_seq is not None:
+            raise TierIOError("write-ahead log", "append", errno.EIO,
+                              f"segment {self._segment(self._torn_seq)} ends in a record that could not be "
+                              "removed after a failed append; writes are refused until a flush retires it")
         record = _encode(table, ids, rows)
+        try:
+            if self._fd < 0:
+                self.directory.mkdir(exist_ok=True)
+                self._fd = os.open(self._segment(self._seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                                   0o644)
+                fsync_dir(self.directory)
+            end = os.fstat(self._fd).st_size
+        except OSError as exc:
+            raise tier_io_error("write-ahead log", "append", exc) from exc
         view = memoryview(record)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, end)  # drop the partial record
+            except OSError:
+                self._torn_seq = self._seq
+            raise tier_io_error("write-ahead log", "append", exc) from exc
+
+    def sync(self, fd: int) -> None:
+        """``fdatasync(fd)`` (a :meth:`sync_handle`), a failure raised as a ``TierIOError``."""
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            raise tier_io_error("write-ahead log", "sync", exc) from exc
 
     def sync_handle(self) -> int:
         """A duplicate of the current segment's descriptor (-1 when none is open): the caller may
@@ -149,7 +177,7 @@ class WriteAheadLog:
         """Sync and close the current segment; later appends go to a new one. Returns the first
         sequence number not sealed: segments below it may go once the store is flushed."""
         if self._fd >= 0:
-            os.fdatasync(self._fd)
+            self.sync(self._fd)
             os.close(self._fd)
             self._fd = -1
             self._seq += 1
@@ -162,6 +190,8 @@ class WriteAheadLog:
             p.unlink()
         if gone:
             fsync_dir(self.directory)
+        if self._torn_seq is not None and self._torn_seq < seq:
+            self._torn_seq = None
 
     def close(self) -> None:
         if self._fd >= 0:

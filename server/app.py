@@ -49,7 +49,8 @@ OFFLOAD_BYTES = 1 << 20  # bodies and answers beyond this are parsed / encoded i
 
 _ERRORS = {400: "malformed body, invalid ids or offsets", 404: "unknown table or model",
            413: "more ids than the server's limit, or body too large", 422: "wrong shapes or non-finite values",
-           503: "store or model unavailable (a reload failed)", 504: "request timed out"}
+           503: "store or model unavailable (a reload failed), or the machine's storage failed (EIO)",
+           504: "request timed out", 507: "the machine's disk is full"}
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -61,7 +62,7 @@ def _rows_answer() -> dict[int | str, dict[str, Any]]:
                   "content": {"application/json": {"schema": EmbeddingsResponse.model_json_schema()},
                               BINARY: protocol.binary_body_schema(
                                   "little-endian float32 rows; header X-Embedding-Shape: n,dim")}},
-            **_errors(400, 404, 413, 503, 504)}
+            **_errors(400, 404, 413, 503, 504, 507)}
 
 
 def _body(model: type, binary: str | None) -> dict[str, Any]:
@@ -115,13 +116,18 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
                 flusher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await flusher
-            await gate.close()
+            try:
+                await gate.close()
+            except Exception as exc:  # the final flush failed: `embstore serve` exits 1 with it, not 0
+                app.state.shutdown_error = exc
+                raise
 
     app = FastAPI(title="embstore", version="1", lifespan=lifespan,
                   description="Lookups of a tiered embedding store (embstore SPEC section 5).")
     app.state.gate = gate
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.shutdown_error = None
     install_handlers(app)
     app.add_middleware(RequestMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        timeout=settings.request_timeout)
@@ -191,7 +197,7 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
         return await rows_answer(rows, request)
 
     @app.put("/v1/tables/{name}/rows", status_code=204, response_class=Response,
-             responses={401: {"description": "missing or wrong token"}, **_errors(400, 404, 413, 422, 503, 504)},
+             responses={401: {"description": "missing or wrong token"}, **_errors(400, 404, 413, 422, 503, 504, 507)},
              openapi_extra=_body(RowsRequest, None))
     async def put_rows(name: str, request: Request) -> Response:
         require_token(request)

@@ -9,6 +9,8 @@
     pydantic ValidationError   -> 400   a body that is not the documented JSON
     RequestValidationError     -> 400   a bad query or path parameter
     StoreClosedError           -> 503   the store went away under a request (reload failed)
+    DiskFullError              -> 507   the machine's disk is full (the request changed nothing durable)
+    TierIOError                -> 503   the machine's storage failed (EIO, ...); the message names the tier
     anything else              -> 500   logged with its traceback; never caused by input
 """
 
@@ -22,8 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from embstore.errors import (EmbstoreError, InvalidInputError, InvalidRowsError, StoreClosedError,
-                             UnknownTableError)
+from embstore.errors import (DiskFullError, EmbstoreError, InvalidInputError, InvalidRowsError, StoreClosedError,
+                             TierIOError, UnknownTableError)
 
 log = logging.getLogger("embstore.server")
 
@@ -62,6 +64,10 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, (InvalidInputError, ValidationError, RequestValidationError)):
         return 400
     if isinstance(exc, StoreClosedError):
+        return 503
+    if isinstance(exc, DiskFullError):  # a machine failure, not the client's: say which, never a bare 500
+        return 507
+    if isinstance(exc, TierIOError):
         return 503
     return 500
 

@@ -39,7 +39,7 @@ import numpy as np
 
 import embstore
 from embstore.config import StoreConfig
-from embstore.errors import (CorruptStoreError, EmbstoreError, StoreNotFoundError,
+from embstore.errors import (CorruptStoreError, EmbstoreError, InvalidInputError, StoreNotFoundError,
                              UnknownTableError)
 from embstore.server.batching import LookupBatcher
 from embstore.server.errors import ApiError
@@ -75,13 +75,22 @@ class GroupCommit:
     on the event loop; only the sync itself (``Store.sync_log``: one
     ``fdatasync`` of the write-ahead log) runs in a worker thread, shielded:
     once started it finishes even if its request times out.
+
+    A failed log sync is not retried: after an ``fdatasync`` error Linux marks
+    the lost pages clean, so a second one "succeeds" without them, and the
+    hole they leave in the log ends its replay there, hiding every write
+    logged after it. Instead ``flush`` (the tables' own syncs, which also
+    retire the damaged segment) makes the writes durable; until a flush
+    succeeds every acknowledgement waits for one.
     """
 
-    def __init__(self, sync: Callable[[], None]) -> None:
+    def __init__(self, sync: Callable[[], None], flush: Callable[[], None]) -> None:
         self._sync = sync
+        self._flush = flush
         self._lock = asyncio.Lock()
         self._applied = 0  # writes applied, in the order they were noted
         self._durable = 0  # writes covered by a finished sync
+        self._log_failed = False  # a log sync failed and no flush has succeeded since
         self.syncs = 0
 
     def note_write(self) -> int:
@@ -94,7 +103,16 @@ class GroupCommit:
             if self._durable >= ticket:
                 return
             target = self._applied
-            await offload_shielded(self._sync)
+            if not self._log_failed:
+                try:
+                    await offload_shielded(self._sync)
+                except Exception as exc:
+                    log.error("syncing the write-ahead log failed (%s): writes are acknowledged after a flush "
+                              "until one succeeds", exc)
+                    self._log_failed = True
+            if self._log_failed:
+                await offload_shielded(self._flush)  # raises to this writer; the next one tries again
+                self._log_failed = False
             self.syncs += 1
             self._durable = target
 
@@ -145,8 +163,14 @@ class TableService:
 
     def update(self, ids: np.ndarray, rows: np.ndarray, write: Callable[..., None] | None = None) -> None:
         """Blocking: write (with ``write(ids, rows)`` if given), then invalidate the cached bags holding
-        those rows."""
-        (write or self.table.update)(ids, rows)
+        those rows - also when the write fails, since a machine failure may leave part of it applied."""
+        try:
+            (write or self.table.update)(ids, rows)
+        except InvalidInputError:  # refused whole: nothing was written
+            raise
+        except BaseException:
+            self.cache.note_write(ids)
+            raise
         self.cache.note_write(ids)
 
 
@@ -216,7 +240,8 @@ class Served:
         self.services = {name: TableService(t, settings) for name, t in store.tables.items()}
         self.dirty = False  # rows written since the last flush
         self.durable_writes = settings.durable_writes
-        self.commit = GroupCommit(store.sync_log)
+        self._flush_lock = threading.Lock()  # the periodic flush and the commit's fallback flush
+        self.commit = GroupCommit(store.sync_log, self.flush)
 
     def model(self, name: str) -> ModelService:
         try:
@@ -250,8 +275,15 @@ class Served:
         self.dirty = True
 
     def flush(self) -> None:
-        self.dirty = False  # before: writes landing during the flush mark it again
-        self.store.flush()
+        """Blocking: flush the store; a failed flush leaves it dirty, so the next periodic one retries
+        (otherwise rows written before the failure would wait for some later write to be flushed)."""
+        with self._flush_lock:
+            self.dirty = False  # before: writes landing during the flush mark it again
+            try:
+                self.store.flush()
+            except BaseException:
+                self.dirty = True
+                raise
 
 
 def precheck_store(path: Path) -> None:

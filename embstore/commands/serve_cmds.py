@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from pathlib import Path
 
 from embstore.commands.argtypes import nonneg_seconds, port_number, positive_int
@@ -81,7 +82,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               batching=not args.no_batching, batch_wait=args.batch_wait_ms / 1000,
                               pooled_cache_bytes=args.pooled_cache_bytes, freeze_gc=True)
     level = logging.getLogger().getEffectiveLevel()
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, access_log=args.access_log,
-                log_level="info" if level <= logging.INFO else "warning",
-                timeout_keep_alive=KEEP_ALIVE_S)
+    app = create_app(settings)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again, which would end the process by
+    # the signal (status -15) even after a clean shutdown; this handler turns that into a plain return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log,
+                    log_level="info" if level <= logging.INFO else "warning",
+                    timeout_keep_alive=KEEP_ALIVE_S)
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if app.state.shutdown_error is not None:  # the final flush failed: exit 1, not 0, naming the failure
+        raise app.state.shutdown_error
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM outside uvicorn's own handling (re-raised after its shutdown, or before it started)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
