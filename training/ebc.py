@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embstore.errors import IdOutOfRangeError, InvalidInputError
+from embstore.errors import IdOutOfRangeError, InvalidInputError, TierIOError
 from embstore.kernels import kernel_threads, pool_rows, unique_inverse_each
 from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
@@ -376,13 +376,16 @@ class TieredEmbeddingBagCollection(nn.Module):
             batch.fetched += int(missing.sum())
 
     def _fetch(self, batch: _Batch) -> None:
-        """Read the rows the batch found missing from the store into their slots (any thread)."""
+        """Read the batch's rows that are not in the working set yet from the store into their slots (any
+        thread; fetches run one at a time). Which rows is decided now, not at reserve time: a row the batch
+        shares with an earlier one whose fetch failed is read here."""
         for t, ws in enumerate(self.ws):
-            missing = batch.missing[t]
-            if missing.any():
-                vals, st = ws.table.read_with_state(batch.uniq[t][missing])  # outside the lock: the slow part
+            with self._lock:
+                load = ws.unloaded(batch.uniq[t], batch.slots[t])
+            if load.any():
+                vals, st = ws.table.read_with_state(batch.uniq[t][load])  # outside the lock: the slow part
                 with self._lock:
-                    ws.fill(batch.slots[t][missing], vals, st)
+                    ws.fill(batch.slots[t][load], vals, st)
 
     def _take_prefetched(self, id_list: list[np.ndarray], off_list: list[np.ndarray]) -> _Batch | None:
         if not self._queue:
@@ -421,13 +424,15 @@ class TieredEmbeddingBagCollection(nn.Module):
             self._retire(b)
 
     def _drain(self) -> None:
-        """Wait until no prefetch or write-back is in flight (a demand fetch must not race one)."""
-        for b in list(self._queue):
-            if b.future is not None:
-                b.future.result()
+        """Wait until no prefetch or write-back is in flight (a demand fetch must not race one).
+
+        A failed prefetch is not raised here but by the forward of its batch: flush, release or another
+        batch's forward must still work once the fault has cleared. A failed write-back is raised.
+        """
+        cf.wait([b.future for b in self._queue if b.future is not None])
         self._reap_writes(wait=True)
 
-    def _write_behind(self, table: Any, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+    def _write_behind(self, ws: Any, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Write evicted rows back on the prefetch thread, off the training step's path.
 
         That thread runs its jobs in order, and a row evicted here can only be
@@ -436,9 +441,19 @@ class TieredEmbeddingBagCollection(nn.Module):
         write is raised by the next forward, flush or release.
         """
         if self._executor is None:
-            table.write_with_state(keys, rows, state)
+            ws.table.write_with_state(keys, rows, state)  # failing, the rows stay in the working set (_retire)
             return
-        self._writes.append(self._executor.submit(table.write_with_state, keys, rows, state))
+        self._writes.append(self._executor.submit(self._write_back_job, ws, keys, rows, state))
+
+    def _write_back_job(self, ws: Any, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        """One write-behind (prefetch thread). A failed one puts its rows back into the working set, dirty,
+        before any later fetch could read their stale store copies, so no trained update is lost."""
+        try:
+            ws.table.write_with_state(keys, rows, state)
+        except BaseException:
+            with self._lock:
+                ws.readmit(keys, rows, state)
+            raise
 
     def _reap_writes(self, wait: bool = False) -> None:
         """Forget finished write-behind jobs (all of them with ``wait``), raising the first failure."""
@@ -522,7 +537,12 @@ class TieredEmbeddingBagCollection(nn.Module):
                 self.steps += 1
             horizon = min(self._pending) if self._pending else float("inf")
             for ws in self.ws:
-                self.counters["written_back_rows"] += ws.evict_before(horizon, self._write_behind)
+                try:
+                    self.counters["written_back_rows"] += ws.evict_before(horizon, self._write_behind)
+                except TierIOError as exc:  # a synchronous write-back: its rows stay in the working set, dirty
+                    failed: cf.Future = cf.Future()  # raised by the next forward, flush or release, like a
+                    failed.set_exception(exc)        # failed write-behind: the step that got here succeeded
+                    self._writes.append(failed)
 
     def __repr__(self) -> str:
         return (f"TieredEmbeddingBagCollection(tables={self.table_names}, dim={self.dim}, "

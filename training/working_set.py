@@ -21,7 +21,7 @@ import torch
 from embstore.table import Table
 from embstore.training._index import SlotIndex
 
-Writer = Callable[[Table, np.ndarray, np.ndarray, np.ndarray], None]  # (table, keys, rows, state)
+Writer = Callable[["WorkingSet", np.ndarray, np.ndarray, np.ndarray], None]  # (working set, keys, rows, state)
 
 
 class WorkingSet:
@@ -38,6 +38,7 @@ class WorkingSet:
         self.key = np.full(capacity, -1, np.int64)  # physical row per slot, -1 = free
         self.last_use = np.full(capacity, -1, np.int64)  # latest batch sequence number using the slot
         self.dirty = np.zeros(capacity, np.bool_)
+        self.loaded = np.zeros(capacity, np.bool_)  # the slot holds its row's bytes (a fetch may have failed)
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack, top at the end
         self._nfree = capacity
 
@@ -53,18 +54,31 @@ class WorkingSet:
         """Slots for unique rows ``uniq`` used by batch ``seq``; (slots, mask of rows to load)."""
         slots = self.index.find(uniq)
         missing = slots < 0
-        n = int(missing.sum())
-        if n:
-            if n > self._nfree:
-                self._grow(self.resident + n)
-            new = self._free[self._nfree - n:self._nfree][::-1].copy()
-            self._nfree -= n
-            slots[missing] = new
-            self.key[new] = uniq[missing]
-            self.dirty[new] = False
-            self.index.put(uniq[missing], new)
+        if missing.any():
+            slots[missing] = self._allocate(uniq[missing])
         self.last_use[slots] = np.maximum(self.last_use[slots], seq)
         return slots, missing
+
+    def _allocate(self, keys: np.ndarray) -> np.ndarray:
+        """Free slots for ``keys`` (none of them held yet): clean, not loaded, used by no batch so far."""
+        n = len(keys)
+        if n > self._nfree:
+            self._grow(self.resident + n)
+        new = self._free[self._nfree - n:self._nfree][::-1].copy()
+        self._nfree -= n
+        self.key[new] = keys
+        self.dirty[new] = False
+        self.loaded[new] = False
+        self.index.put(keys, new)
+        return new
+
+    def unloaded(self, uniq: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Mask of the batch's rows (``uniq`` in ``slots``) whose bytes are not in the working set yet.
+
+        Asked when the batch is fetched, not when it was reserved: a row another
+        batch reserved first is only here if that batch's fetch succeeded.
+        """
+        return ~self.loaded[slots]
 
     def fill(self, slots: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Store rows read from the table into freshly reserved slots."""
@@ -73,11 +87,30 @@ class WorkingSet:
             self.rows[idx] = torch.from_numpy(rows).to(self.device)
             if self.state_dim:
                 self.state[idx] = torch.from_numpy(state).to(self.device)
+            self.loaded[slots] = True
+
+    def readmit(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        """Take back evicted dirty rows whose write-back failed, so the update is not lost.
+
+        A row a later batch reserved meanwhile gets these bytes in its slot (its
+        fetch, queued behind the write, then skips it instead of reading the
+        stale store copy); the others come back unpinned and dirty, to be
+        written again by the next eviction or flush.
+        """
+        if len(keys) == 0:
+            return
+        slots = self.index.find(keys)
+        absent = slots < 0
+        if absent.any():
+            slots[absent] = self._allocate(keys[absent])
+        take = ~self.loaded[slots]  # a loaded slot already holds a newer copy (never expected; kept as is)
+        self.fill(slots[take], rows[take], state[take])
+        self.dirty[slots[take]] = True
 
     def evict_before(self, seq: float, write: Writer | None = None) -> int:
         """Drop every row no batch with sequence >= ``seq`` uses; returns how many were written back dirty.
 
-        ``write(table, keys, rows, state)`` stores the dirty ones (default: the
+        ``write(working_set, keys, rows, state)`` stores the dirty ones (default: the
         table's ``write_with_state`` right away); it gets copies, so the slots
         are free for reuse as soon as this returns.
         """
@@ -95,6 +128,7 @@ class WorkingSet:
         self.key[victims] = -1
         self.last_use[victims] = -1
         self.dirty[victims] = False
+        self.loaded[victims] = False
         self._free[self._nfree:self._nfree + len(victims)] = victims
         self._nfree += len(victims)
         return len(dirty)
@@ -115,7 +149,7 @@ class WorkingSet:
         if write is None:
             self.table.write_with_state(keys, rows, state)
         else:
-            write(self.table, keys, rows, state)
+            write(self, keys, rows, state)
         self.dirty[slots] = False
 
     def _grow(self, need: int) -> None:
@@ -130,6 +164,7 @@ class WorkingSet:
         self.key = np.concatenate([self.key, np.full(extra, -1, np.int64)])
         self.last_use = np.concatenate([self.last_use, np.full(extra, -1, np.int64)])
         self.dirty = np.concatenate([self.dirty, np.zeros(extra, np.bool_)])
+        self.loaded = np.concatenate([self.loaded, np.zeros(extra, np.bool_)])
         free = np.empty(cap, np.int64)
         free[:extra] = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
         free[extra:extra + self._nfree] = self._free[:self._nfree]
@@ -172,6 +207,11 @@ class ResidentWorkingSet:
         so a second (late) load of it is a plain read and cannot undo a step.
         """
         return uniq.copy(), ~self.tier.directory.present[uniq]
+
+    def unloaded(self, uniq: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Rows not in DRAM when the batch is fetched. Not the reserve-time mask: a row can look present
+        then because an earlier batch's read is inserting it, and that read may fail and take it out."""
+        return ~self.tier.directory.present[uniq]
 
     def fill(self, slots: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Nothing to copy: reading through the hierarchy already put the rows in the slab."""
