@@ -22,6 +22,12 @@ from embstore.training.testing import TorchReference, initial_weights, loss_of, 
 DIM = 4
 HOMES = {"ssd": '{ kind = "ssd" }', "ssd-log": '{ kind = "ssd", layout = "log" }', "rocksdb": '{ kind = "rocksdb" }'}
 LR = {"sgd": 0.1, "adagrad": 0.1, "rowwise_adagrad": 0.1, "adam": 0.01}
+# Relative tolerance of trained rows against torch. Adam normalises each element's step by that element's own
+# gradient history, so a gradient that nearly cancels (its bags summed in another order than torch sums them)
+# can move by a visible share of one step: seed 406 of the test below, with no fault at all, is 1.3e-4 off on
+# one element, on the resident and the cached path alike. A lost or stale update is a whole step (lr 0.01 on
+# rows of ~0.1: ~1e-1), so 1e-3 still catches every fault these tests look for.
+TOL = {"sgd": 1e-5, "adagrad": 1e-5, "rowwise_adagrad": 1e-5, "adam": 1e-3}
 
 
 def tiers(optimizer: str, cache_rows: int, home: str = "ssd") -> str:
@@ -84,7 +90,7 @@ def train_with_retries(ebc, ref, batches, lookahead: int, max_errors: int = 200)
             assert errors <= max_errors
             continue
         loss_of(out, w).backward()
-        assert rel_err(out.detach().numpy(), ref.step(ids, offs, w).numpy()) <= 1e-5
+        assert rel_err(out.detach().numpy(), ref.step(ids, offs, w).numpy()) <= TOL[ref.kind]
         i += 1
     return errors
 
@@ -208,13 +214,13 @@ def test_tight_cache_training_matches_torch(home, seed, optimizer, lookahead, ra
         for ids, offs, w in ebc.pipeline(batches, lookahead=lookahead, sparse=lambda b: b[:2]):
             out = ebc(ids, offs)
             loss_of(out, w).backward()
-            assert rel_err(out.detach().numpy(), ref.step(ids, offs, w).numpy()) <= 1e-5
+            assert rel_err(out.detach().numpy(), ref.step(ids, offs, w).numpy()) <= TOL[ref.kind]
         assert ebc.counters["demand_misses"] == 0
         ebc.flush()
         ebc.release()
         store.close()
         for name, want in zip(("a", "b"), ref.weights()):
-            assert rel_err(_reopen_rows(path, name), want) <= 1e-5
+            assert rel_err(_reopen_rows(path, name), want) <= TOL[optimizer]
 
 
 @pytest.mark.parametrize("home", list(HOMES))
@@ -241,11 +247,11 @@ def test_faulty_home_training_matches_torch_after_retries(home, seed, optimizer,
         for f in faults:
             f.fail_calls.clear()
         for name, want in zip(names, ref.weights()):
-            assert rel_err(stored(store, name), want) <= 1e-5
+            assert rel_err(stored(store, name), want) <= TOL[optimizer]
         ebc.release()
         store.close()
         for name, want in zip(names, ref.weights()):
-            assert rel_err(_reopen_rows(path, name), want) <= 1e-5
+            assert rel_err(_reopen_rows(path, name), want) <= TOL[optimizer]
 
 
 @needs_mount
