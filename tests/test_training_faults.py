@@ -73,15 +73,22 @@ def stored(store: embstore.Store, name: str) -> np.ndarray:
     return t.read_with_state(np.arange(t.num_rows, dtype=np.int64))[0]
 
 
+def fill_window(ebc, batches, i: int, lookahead: int, queued: int) -> int:
+    """Prefetch until batches i+1 .. i+lookahead are queued (``batches[:queued]`` already were); returns the new
+    ``queued``."""
+    while lookahead and queued < min(len(batches), i + 1 + lookahead):
+        ebc.prefetch(*batches[queued][:2])
+        queued += 1
+    return queued
+
+
 def train_with_retries(ebc, ref, batches, lookahead: int, max_errors: int = 200) -> int:
     """Forward/backward each batch with ``lookahead`` batches prefetched; a forward that raises a TierIOError is
     retried (its batch had no step). Returns how many errors were seen. ``ref`` steps each batch once."""
     errors, i = 0, 0
     queued = 0  # batches[:queued] were handed to prefetch
     while i < len(batches):
-        while lookahead and queued < min(len(batches), i + 1 + lookahead):
-            ebc.prefetch(*batches[queued][:2])
-            queued += 1
+        queued = fill_window(ebc, batches, i, lookahead, queued)
         ids, offs, w = batches[i]
         try:
             out = ebc(ids, offs)
@@ -278,9 +285,7 @@ def test_a_real_full_disk_mid_training(tiny_tmpfs, home, after, lookahead) -> No
     errors: list[TierIOError] = []
     i = queued = 0
     while i < len(batches) and not (errors and (after == "reopen" or i >= errors_at + 8)):
-        while lookahead and queued < min(len(batches), i + 1 + lookahead):
-            ebc.prefetch(*batches[queued][:2])
-            queued += 1
+        queued = fill_window(ebc, batches, i, lookahead, queued)
         ids, offs, w = batches[i]
         try:
             out = ebc(ids, offs)
