@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from embstore.errors import (CorruptStoreError, DiskFullError, IdOutOfRangeError, InvalidInputError,
                              InvalidRowsError, StoreClosedError, TierIOError)
-from embstore.tiers import ssd
+from embstore.tiers import io_engine, ssd
 from embstore.tiers.ssd import BITMAP_FILE, SLAB_FILE, SSDTier, _runs
 
 from crash_states import check_against_flushes
@@ -390,8 +390,8 @@ def test_io_uring_unavailable_falls_back_and_logs_once(tmp_path: Path, monkeypat
         raise pyuring.UringError(errno.EPERM, "uring_create_ex")
 
     monkeypatch.setattr(pyuring, "UringCtx", refuse)
-    monkeypatch.setattr(ssd, "_logged", set())
-    with caplog.at_level(logging.WARNING, logger="embstore.tiers.ssd"):
+    monkeypatch.setattr(io_engine, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="embstore.tiers"):
         a = SSDTier(tmp_path / "a", 10, 4)
         b = SSDTier(tmp_path / "b", 10, 4)
     assert a.io_engine == b.io_engine == "pread+direct"
@@ -414,8 +414,8 @@ def test_o_direct_refused_uses_buffered_io(tmp_path: Path, monkeypatch: pytest.M
         return real_open(path, flags, *a, **k)
 
     monkeypatch.setattr(ssd.os, "open", no_direct)
-    monkeypatch.setattr(ssd, "_logged", set())
-    with caplog.at_level(logging.WARNING, logger="embstore.tiers.ssd"):
+    monkeypatch.setattr(io_engine, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="embstore.tiers"):
         t = make(tmp_path, 300, 68, engine)
         t.close()
         t = make(tmp_path, 300, 68, engine)
@@ -442,13 +442,13 @@ def _inject(monkeypatch: pytest.MonkeyPatch, engine: str, *, write: bool, err: i
     """Make the I/O kernel fail requests of one direction: every request reports -err (nothing is
     transferred), or the first is short, or the ring call itself fails with -fatal.
     The first ``after_calls`` matching calls pass through untouched. Returns a call counter."""
-    real = getattr(ssd, _kernel_name(engine))
+    real = getattr(io_engine, _kernel_name(engine))
     calls = [0]
 
     def fake(*args):  # type: ignore[no-untyped-def]
         if engine == "io_uring":
             ring, fd, opcode, offs, addrs, lens, qd, res = args
-            is_write = opcode == ssd._IORING_OP_WRITE
+            is_write = opcode == io_engine._IORING_OP_WRITE
         else:
             fd, is_write, offs, addrs, lens, res = args
         if is_write != write:
@@ -465,7 +465,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, engine: str, *, write: bool, err: i
         res[:] = -err
         return 0
 
-    monkeypatch.setattr(ssd, _kernel_name(engine), fake)
+    monkeypatch.setattr(io_engine, _kernel_name(engine), fake)
     return calls
 
 
@@ -537,7 +537,7 @@ def test_one_short_transfer_is_resumed(tmp_path: Path, monkeypatch: pytest.Monke
                                        write: bool) -> None:
     """A file system may transfer part of a request (a nearly full disk); the rest is resubmitted."""
     tier, model = _seeded(tmp_path, engine)
-    real = getattr(ssd, _kernel_name(engine))
+    real = getattr(io_engine, _kernel_name(engine))
     calls = [0]
 
     def short_once(*args):  # type: ignore[no-untyped-def]
@@ -550,7 +550,7 @@ def test_one_short_transfer_is_resumed(tmp_path: Path, monkeypatch: pytest.Monke
             res[0] = 4096  # pretend only the first block went through (the rest is redone)
         return rc
 
-    monkeypatch.setattr(ssd, _kernel_name(engine), short_once)
+    monkeypatch.setattr(io_engine, _kernel_name(engine), short_once)
     ids = np.arange(0, 64, dtype=np.int64)  # several rows per request, so requests span blocks
     if write:
         rows = rows_for(ids, 256, 9)
@@ -795,9 +795,9 @@ def test_disk_and_directory_kernels_release_the_gil() -> None:
     """A look-ahead thread spends its time in these kernels (waiting on the disk, walking the cache
     directory); holding the GIL there stalled the training thread (BENCHMARKS.md, DLRM)."""
     from embstore import policies
-    from embstore.tiers import ssd
+    from embstore.tiers import io_engine
 
-    kernels = [ssd._uring_kernel, ssd._pio_kernel, policies._access_kernel, policies._lookup_kernel,
+    kernels = [io_engine._uring_kernel, io_engine._pio_kernel, policies._access_kernel, policies._lookup_kernel,
                policies._remove_kernel, policies._count_resident_serial,
                policies._count_resident_parallel]
     assert [k.py_func.__name__ for k in kernels if not k.targetoptions.get("nogil")] == []

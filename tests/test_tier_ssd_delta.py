@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from embstore.errors import CorruptStoreError, DiskFullError, TierIOError
-from embstore.tiers import ssd, ssd_log
+from embstore.tiers import io_engine, ssd, ssd_log
 from embstore.tiers.delta import RECORD_HEADER, encode_record
 from embstore.tiers.ssd import BITMAP_DELTA_FILE, BITMAP_FILE, SSDTier
 from embstore.tiers.ssd_log import LOG_DELTA_FILE, LogSSDTier
@@ -500,7 +500,7 @@ def _install_faults(mp: pytest.MonkeyPatch, faults: _Faults, root: Path) -> None
     """Slab transfers (half the requests of the failing call go through), fdatasync/fsync, and the writes
     of delta records and index files (half the bytes land) and renames under ``root``, each failing
     when armed."""
-    real_uring, real_pio = ssd._uring_kernel, ssd._pio_kernel
+    real_uring, real_pio = io_engine._uring_kernel, io_engine._pio_kernel
     real_fdatasync, real_fsync, real_write, real_replace = ssd._fdatasync, ssd._fsync, os.write, os.replace
 
     def transfer(real, write: bool, res: np.ndarray, args: tuple, cut):  # type: ignore[no-untyped-def]
@@ -513,7 +513,7 @@ def _install_faults(mp: pytest.MonkeyPatch, faults: _Faults, root: Path) -> None
         return rc
 
     def uring(ring, fd, op, offs, addrs, lens, qd, res):  # type: ignore[no-untyped-def]
-        return transfer(real_uring, op == ssd._IORING_OP_WRITE, res, (ring, fd, op, offs, addrs, lens, qd, res),
+        return transfer(real_uring, op == io_engine._IORING_OP_WRITE, res, (ring, fd, op, offs, addrs, lens, qd, res),
                         lambda k: (ring, fd, op, offs[:k].copy(), addrs[:k].copy(), lens[:k].copy(), qd, res[:k]))
 
     def pio(fd, write, offs, addrs, lens, res):  # type: ignore[no-untyped-def]
@@ -536,8 +536,8 @@ def _install_faults(mp: pytest.MonkeyPatch, faults: _Faults, root: Path) -> None
             raise OSError(err, os.strerror(err))
         return real_write(fd, data)
 
-    mp.setattr(ssd, "_uring_kernel", uring)
-    mp.setattr(ssd, "_pio_kernel", pio)
+    mp.setattr(io_engine, "_uring_kernel", uring)
+    mp.setattr(io_engine, "_pio_kernel", pio)
     mp.setattr(ssd, "_fdatasync", failing(real_fdatasync, "fdatasync"))
     mp.setattr(ssd, "_fsync", failing(real_fsync, "fsync"))
     mp.setattr(ssd.os, "write", write)

@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.errors import ConfigError, CorruptStoreError, DiskFullError, TierIOError
-from embstore.tiers import ssd, ssd_log
+from embstore.tiers import io_engine, ssd, ssd_log
 from embstore.tiers.delta import RECORD_HEADER, encode_record
 from embstore.tiers.ssd import SSDTier
 from embstore.tiers.ssd_log import LogSSDTier
@@ -426,18 +426,18 @@ def test_layouts_do_not_open_each_other(tmp_path: Path) -> None:
 
 
 def _fail_writes(monkeypatch: pytest.MonkeyPatch, err: int, after: int = 0) -> None:
-    real = ssd._uring_kernel
+    real = io_engine._uring_kernel
     calls = [0]
 
     def fake(ring, fd, opcode, offs, addrs, lens, qd, res):  # type: ignore[no-untyped-def]
-        if opcode == ssd._IORING_OP_WRITE:
+        if opcode == io_engine._IORING_OP_WRITE:
             calls[0] += 1
             if calls[0] > after:
                 res[:] = -err
                 return 0
         return real(ring, fd, opcode, offs, addrs, lens, qd, res)
 
-    monkeypatch.setattr(ssd, "_uring_kernel", fake)
+    monkeypatch.setattr(io_engine, "_uring_kernel", fake)
 
 
 @pytest.mark.parametrize("err,cls", [(errno.EIO, TierIOError), (errno.ENOSPC, DiskFullError)])
