@@ -292,16 +292,28 @@ class _FailingDB:
     ("IO error: While fsync: x.log: Input/output error", TierIOError, errno.EIO),
     ("Corruption: block checksum mismatch", CorruptStoreError, None),
 ])
-def test_backend_errors_are_translated(tmp_path: Path, message: str, kind: type, err: int | None) -> None:
+def test_backend_errors_are_translated(tmp_path: Path, message: str, kind: type, err: int | None,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call translates the status text; a write after a failed one reopens the handle first
+    (the reopened handle fails the same way here)."""
     tier = RocksDBTier(tmp_path / "db", RB, **SMALL)
+    opened: list[bool] = []
+
+    def reopen(read_only: bool = False) -> _FailingDB:
+        opened.append(read_only)
+        return _FailingDB(message)
+
     real, tier._db = tier._db, _FailingDB(message)
     try:
-        for call in (lambda: tier.get(_ids(1)), lambda: tier.put(_ids(1), _rows(0, 1)),
-                     lambda: tier.delete(_ids(1)), tier.flush):
-            with pytest.raises(kind) as info:
-                call()
-            if err is not None:
-                assert info.value.errno == err and info.value.tier == "rocksdb"
+        with monkeypatch.context() as patch:
+            patch.setattr(tier, "_open", reopen)
+            for call in (lambda: tier.get(_ids(1)), lambda: tier.put(_ids(1), _rows(0, 1)),
+                         lambda: tier.delete(_ids(1)), tier.flush):
+                with pytest.raises(kind) as info:
+                    call()
+                if err is not None:
+                    assert info.value.errno == err and info.value.tier == "rocksdb"
+        assert opened == [False, False]  # before the delete and the flush: each follows a failed write
     finally:
         tier._db = real
         tier.close()

@@ -22,10 +22,22 @@ Why these choices:
   Syncing the WAL is one sequential fsync; flushing the memtable instead would
   write a new SST file per flush, pile up level-0 files and trigger compactions.
   Reopening replays the WAL.
+- Recovery: RocksDB keeps the first background error of a failed write (ENOSPC
+  appending to the WAL, writing an SST) and refuses later writes and WAL syncs
+  with it ("Writer has previous error"), even after space is freed, until the
+  database is reopened: its own auto-recovery comes seconds later if at all
+  (never, in our tests, once a WAL sync had failed), and rocksdict binds no
+  ``DB::Resume()``. So after a failed write or flush the next write, flush or
+  close reopens the database in place (same options and directory, same tier
+  object and counters), which replays the WAL: nothing acknowledged is lost.
+  While the disk is still full that reopen fails, the write raises
+  DiskFullError, and a read-only handle keeps reads working until a later
+  write finds space again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import time
@@ -99,12 +111,10 @@ class RocksDBTier(Tier):
         self.path = os.fspath(directory)
         self._zero_row = bytes(self.row_bytes)  # the multi-get default; identity marks "absent"
         self._check_directory()
-        options = self._options(int(block_cache), int(write_buffer), compression)
+        self._opts = self._options(int(block_cache), int(write_buffer), compression)
+        self._failed = False  # a write or WAL sync failed: the handle may hold a sticky background error
         try:
-            # The default column family's options are passed explicitly: without them rocksdict reopens
-            # an existing database with the options saved in its OPTIONS file (RocksDB's 8 MiB block
-            # cache, the memtable it was created with, no bloom filter), not the ones configured now.
-            self._db: Any = rocksdict.Rdict(self.path, options, column_families={"default": options})
+            self._db: Any = self._open()
         except Exception as exc:  # noqa: BLE001 - rocksdict raises bare Exception
             if _is_corruption(exc) or "Invalid argument" in str(exc):
                 raise CorruptStoreError(f"rocksdb tier: {self.path} is not a readable RocksDB "
@@ -121,6 +131,43 @@ class RocksDBTier(Tier):
         return int(block_cache) + MEMTABLES * int(write_buffer)
 
     # -- opening ---------------------------------------------------------------
+    def _open(self, read_only: bool = False) -> Any:
+        """A new rocksdict handle on the database (raises rocksdict's bare Exception).
+
+        The default column family's options are passed explicitly: without them rocksdict reopens
+        an existing database with the options saved in its OPTIONS file (RocksDB's 8 MiB block
+        cache, the memtable it was created with, no bloom filter), not the ones configured now.
+        """
+        extra = {"access_type": rocksdict.AccessType.read_only()} if read_only else {}
+        return rocksdict.Rdict(self.path, self._opts, column_families={"default": self._opts}, **extra)
+
+    def _reopen(self, read_only_fallback: bool = True) -> None:
+        """Replace the handle by a fresh read-write one, dropping RocksDB's sticky background error.
+
+        The read-write open replays the WAL (and writes it to an SST file), so it
+        fails while the disk is still full; then, unless ``read_only_fallback`` is
+        off, a read-only handle (which writes nothing) keeps reads working, and
+        the open's error is raised for the caller to translate.
+        """
+        self._release()
+        try:
+            self._db = self._open()
+        except Exception:
+            if read_only_fallback:
+                with contextlib.suppress(Exception):  # reads then retry the open themselves
+                    self._db = self._open(read_only=True)
+            raise
+        self._failed = False
+
+    def _release(self) -> None:
+        """Close the handle, ignoring its errors: a broken handle's close fails (it flushes the
+        memtable) yet still unlocks the database, and the WAL holds every write anyway."""
+        db, self._db = self._db, None
+        if db is not None:
+            with contextlib.suppress(Exception):
+                db.close()
+        del db
+
     def _check_directory(self) -> None:
         """Create a missing directory; refuse a non-empty one that holds no database."""
         try:
@@ -175,6 +222,18 @@ class RocksDBTier(Tier):
             return CorruptStoreError(f"rocksdb tier at {self.path}: {op} found corruption: {exc}")
         return tier_io_error("rocksdb", op, exc)
 
+    def _handle(self, op: str, write: bool = False) -> Any:
+        """The handle for ``op``: reopened first when it is missing or, for a write, may hold a
+        sticky error from an earlier failure (see the module docstring, "Recovery")."""
+        if self.closed:
+            raise StoreClosedError(f"rocksdb tier at {self.path} is closed")
+        if self._db is None or (write and self._failed):
+            try:
+                self._reopen()
+            except Exception as exc:  # noqa: BLE001
+                raise self._error(op, exc) from exc
+        return self._db
+
     def _keys(self, ids: Any) -> tuple[Ids, list[bytes]]:
         if self.closed:
             raise StoreClosedError(f"rocksdb tier at {self.path} is closed")
@@ -186,8 +245,9 @@ class RocksDBTier(Tier):
 
     def _multi_get(self, keys: list[bytes], op: str) -> tuple[list[bytes], Mask]:
         zero = self._zero_row
+        db = self._handle(op)
         try:
-            values = self._db.get(keys, default=zero)
+            values = db.get(keys, default=zero)
         except Exception as exc:  # noqa: BLE001
             raise self._error(op, exc) from exc
         n = len(keys)
@@ -239,6 +299,7 @@ class RocksDBTier(Tier):
         ``Incomplete`` status that we retry with backoff; once RocksDB has recorded
         the background error, the retry returns it and it becomes DiskFullError.
         A written batch is consumed even when the write fails, so each try refills one.
+        Any other failure marks the handle for a reopen before the next write.
         """
         delay = _STALL_SLEEP_MIN
         while True:
@@ -246,59 +307,60 @@ class RocksDBTier(Tier):
             fill(batch)
             if batch.is_empty():
                 return
+            db = self._handle(op, write=True)
             try:
-                self._db.write(batch, self._write_opts)
+                db.write(batch, self._write_opts)
                 return
             except Exception as exc:  # noqa: BLE001
                 if not str(exc).startswith(_STALL_PREFIX):
+                    self._failed = True
                     raise self._error(op, exc) from exc
             time.sleep(delay)
             delay = min(delay * 2, _STALL_SLEEP_MAX)
 
     def flush(self) -> None:
         """Sync the WAL: every put acknowledged so far survives a crash or power loss."""
-        if self.closed:
-            raise StoreClosedError(f"rocksdb tier at {self.path} is closed")
+        db = self._handle("flush", write=True)
         try:
-            self._db.flush_wal(True)
+            db.flush_wal(True)
         except Exception as exc:  # noqa: BLE001
+            self._failed = True
             raise self._error("flush", exc) from exc
 
     def close(self) -> None:
         """Sync the WAL, then release the database (idempotent; released even on error).
 
-        rocksdict's close also flushes the memtable to an SST file to shorten the
-        next open; when that fails (disk full) nothing is lost, since the synced
-        WAL already holds every write, so only a failed WAL sync is raised.
+        After a failed write the database is reopened first, so a sticky error
+        does not fail the sync once space is back; while the disk is still full
+        that reopen's error is raised. rocksdict's close also flushes the memtable
+        to an SST file to shorten the next open; when that fails (disk full)
+        nothing is lost, since the synced WAL already holds every write, so only
+        a failed reopen or WAL sync is raised.
         """
         if self.closed:
             return
         self.closed = True
-        db, self._db = self._db, None
         err: Exception | None = None
         try:
-            db.flush_wal(True)
+            if self._failed or self._db is None:
+                self._reopen(read_only_fallback=False)
+            self._db.flush_wal(True)
         except Exception as exc:  # noqa: BLE001
             err = self._error("close", exc)
-        try:
-            db.close()
-        except Exception:  # noqa: BLE001 - see the docstring
-            pass
-        del db
+        self._release()
         if err is not None:
             raise err
 
     @property
     def raw(self) -> Any:
-        """The underlying ``rocksdict.Rdict`` (raw mode), for tools and benchmarks."""
-        if self.closed:
-            raise StoreClosedError(f"rocksdb tier at {self.path} is closed")
-        return self._db
+        """The underlying ``rocksdict.Rdict`` (raw mode), for tools and benchmarks (read-only while a
+        full disk keeps the read-write reopen failing)."""
+        return self._handle("raw")
 
     @property
     def resident_rows(self) -> int:
         """RocksDB's estimate of the number of keys (exact counting would cost a read per put)."""
-        if self.closed:
+        if self.closed or self._db is None:
             return 0
         try:
             return int(self._db.property_int_value("rocksdb.estimate-num-keys") or 0)
