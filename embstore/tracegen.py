@@ -36,16 +36,37 @@ lookups, ``U = unique_ratio * N`` unique rows:
 5. A batch lists table 0's lookups, then table 1's, ... (table-major, as
    ``embstore.traces`` reads Meta's files), shuffled within each table.
 
+Temporal locality (``drift=R``, default 0: the fixed ranking above, an
+independent-reference model whose only cross-batch signal is each row's
+count). Real popularity moves: new items arrive, old ones fade (MTrainS:
+tables "show high temporal locality"), and no published number calibrates
+how fast. With ``R > 0`` every rank's occupant lives a geometric number of
+batches (mean ``1/R``): each batch it is replaced with probability ``R`` by a
+newcomer, an id drawn uniformly from the table's id space (in a large space,
+one never seen hot), which takes over its rank; the old occupant drops to the
+newcomer's old rank, deep in the tail. The ranking stays a permutation, so the
+popularity law at any moment is unchanged and a batch's ids stay distinct;
+only which id holds which rank moves. That is a shot-noise model with
+box-shaped lifetimes (Traverso et al., 2013): a fraction ``R`` of every
+top-k set turns over per batch, and the top-k of batches ``B`` apart share
+about ``(1 - R) ** B`` of their ids, at every k. The per-batch statistics do
+not depend on ``R`` (the count profile and the ranks drawn are the same for a
+seed whatever ``R``). Replacements are drawn lazily, when a rank is next
+drawn (survival ``(1 - R) ** batches since it was last drawn``), so the cost
+grows with the ranks a trace draws, not with the id space. In an id space a
+batch nearly fills, a rank may keep its occupant when 32 tries find no
+newcomer that the batch has not already used.
+
 Limits: a profile whose lookups reach counts above k needs ``batch_size *
 pooling > k`` (1024 for both dlrm presets), else :class:`InvalidInputError`.
 With fewer than ~5,000 lookups per batch the top bin (>1024) exists only in
 some batches, so the statistics match over several batches rather than in each.
 
 Plain Zipf (``like=None, zipf_alpha=a``): every lookup of table t draws a rank
-from Zipf(a) over ``[0, ids)``, mapped through the table's permutation; popular
-ids recur across batches.
+from Zipf(a) over ``[0, ids)``, mapped through the table's permutation (which
+``drift`` moves the same way); popular ids recur across batches.
 
-Everything is vectorised numpy plus two small numba kernels, seeded and
+Everything is vectorised numpy plus small numba kernels, seeded and
 deterministic: the same arguments give the same trace.
 """
 
@@ -54,11 +75,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
+from numba import njit, typed, types
 
 from embstore.errors import InvalidInputError
 from embstore.traces import MAX_DEFAULT_TABLES, REUSE_THRESHOLDS, Trace, TraceStats, default_table_names
@@ -298,8 +319,65 @@ class _Permutation:
         return (np.int64(self.a) * ranks + self.b[tab]) % np.int64(self.m)
 
 
+_NEWCOMER_TRIES = 32  # draws for a newcomer the batch has not used, before a rank keeps its occupant
+
+
+@njit(cache=True)
+def _drifted_ids(ranks, tab, batch, keep, a, b, m, moved, checked, seed):  # pragma: no cover - numba
+    """Ids at ``batch`` of the (table, rank) pairs, replacing occupants lazily (see module doc).
+
+    ``moved[(t, r)]`` is the id at rank r where a swap changed it from the affine
+    base ``(a * r + b[t]) % m``; ``checked[(t, r)]`` is the last batch rank r was
+    drawn (absent: 0, the unmoved ranking). A newcomer may not come from a rank
+    drawn earlier in this batch: that id is already out, and would repeat.
+    """
+    np.random.seed(seed)
+    out = np.empty(ranks.shape[0], dtype=np.int64)
+    for i in range(ranks.shape[0]):
+        t = np.int64(tab[i])
+        r = np.int64(ranks[i])
+        key = (t, r)
+        last = checked.get(key, 0)
+        if last < batch:
+            checked[key] = batch
+            if np.random.random() >= keep ** (batch - last):
+                for _ in range(_NEWCOMER_TRIES):
+                    j = np.int64(np.random.randint(0, m))
+                    if j != r and checked.get((t, j), -1) != batch:
+                        new = moved.get((t, j), (a * j + b[t]) % m)
+                        moved[(t, j)] = moved.get(key, (a * r + b[t]) % m)
+                        moved[key] = new
+                        break
+        out[i] = moved.get(key, (a * r + b[t]) % m)
+    return out
+
+
+class _DriftingRanking:
+    """A table ranking whose occupants are replaced at rate ``drift`` per batch (module doc).
+
+    Its own random stream (seeded from the trace's seed) keeps the trace's other
+    draws, hence its per-batch statistics, the same as without drift.
+    """
+
+    def __init__(self, perm: _Permutation, drift: float, seed: int) -> None:
+        self.perm = perm
+        self.keep = 1.0 - drift
+        self.rng = np.random.default_rng([seed, 0xD21F7])
+        pair = types.UniTuple(types.int64, 2)
+        self.moved = typed.Dict.empty(key_type=pair, value_type=types.int64)
+        self.checked = typed.Dict.empty(key_type=pair, value_type=types.int64)
+
+    def ids(self, ranks: np.ndarray, tab: np.ndarray, batch: int) -> npt.NDArray[np.int64]:
+        p = self.perm
+        return _drifted_ids(ranks.astype(np.int64, copy=False), tab, np.int64(batch), self.keep, np.int64(p.a),
+                            p.b, np.int64(p.m), self.moved, self.checked, int(self.rng.integers(0, 2**31 - 1)))
+
+
+_IdsOf = Callable[[np.ndarray, np.ndarray], npt.NDArray[np.int64]]  # (ranks, tables) -> ids
+
+
 def _calibrated_batch(counts: np.ndarray, n_t: int, tables: int, id_space: int, alpha: float,
-                      perm: _Permutation, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+                      ids_of: _IdsOf, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     counts = np.ascontiguousarray(np.sort(counts)[::-1])
     heap = rng.permutation(tables).astype(np.int64)
     tab = _lpt_tables(counts, np.full(tables, n_t, dtype=np.int64), heap)
@@ -316,7 +394,7 @@ def _calibrated_batch(counts: np.ndarray, n_t: int, tables: int, id_space: int, 
     _make_distinct(r, seg, id_space)
     key = np.log1p(r) + _PAIRING_NOISE * rng.standard_normal(r.size)
     r = r[np.lexsort((key, t))]  # popular ranks (plus jitter) meet the hottest rows
-    ids = np.repeat(perm(r, t), c)
+    ids = np.repeat(ids_of(r, t), c)
     acc_seg = np.zeros(tables + 1, dtype=np.int64)
     np.cumsum(np.bincount(t, weights=c, minlength=tables).astype(np.int64), out=acc_seg[1:])
     _shuffle_segments(ids, acc_seg, int(rng.integers(0, 2**31 - 1)))  # stays table-major
@@ -332,9 +410,18 @@ def _positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def _drift_rate(value: object) -> float:
+    """``drift`` as a float in [0, 1]: a per-batch replacement probability."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= float(value) <= 1.0:
+        raise InvalidInputError(f"drift must be a number in [0, 1] (the share of each table's popularity "
+                                f"ranking replaced per batch), got {value!r}")
+    return float(value)
+
+
 def generate(like: str | ReuseProfile | None = None, *, zipf_alpha: float | None = None, batches: int = 10,
              batch_size: int = 4096, tables: int = 8, ids: int = 1_000_000, pooling: int = 1, seed: int = 0,
-             progress: Callable[[int], object] | None = None) -> Trace:
+             drift: float = 0.0, progress: Callable[[int], object] | None = None) -> Trace:
     """A synthetic trace of ``batches`` batches of ``batch_size`` samples.
 
     Each sample looks up ``pooling`` ids in each of ``tables`` tables, whose ids
@@ -342,6 +429,9 @@ def generate(like: str | ReuseProfile | None = None, *, zipf_alpha: float | None
     :class:`ReuseProfile`) reproduces that profile's per-batch statistics;
     ``zipf_alpha`` then sets the long-run popularity skew of ids (default 1.0).
     Without ``like``, ``zipf_alpha`` alone gives i.i.d. Zipf lookups.
+    ``drift`` (in [0, 1], default 0: a fixed ranking) is the share of each
+    table's popularity ranking replaced by newcomers per batch; it moves which
+    ids are hot, not the per-batch statistics.
     ``progress(1)`` is called after each batch. See the module doc for the model.
     """
     batches = _positive_int("batches", batches)
@@ -355,6 +445,7 @@ def generate(like: str | ReuseProfile | None = None, *, zipf_alpha: float | None
         raise InvalidInputError(f"ids must be at most 2**63 - 1, got {id_space}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
+    drift = _drift_rate(drift)
     if like is None and zipf_alpha is None:
         raise InvalidInputError(f"give like (one of {', '.join(PROFILES)}) or zipf_alpha")
     alpha = 1.0 if zipf_alpha is None else float(zipf_alpha)
@@ -386,6 +477,7 @@ def generate(like: str | ReuseProfile | None = None, *, zipf_alpha: float | None
 
     rng = np.random.default_rng(seed)
     perm = _Permutation.draw(id_space, tables, rng)
+    ranking = _DriftingRanking(perm, drift, seed) if drift > 0 else None
     out_ids = np.empty(n * batches, dtype=np.int64)
     out_tab = np.empty(n * batches, dtype=np.int32)
     debt_l = np.zeros(len(prof.thresholds) if prof else 0)
@@ -393,12 +485,13 @@ def generate(like: str | ReuseProfile | None = None, *, zipf_alpha: float | None
     flat_tab = np.repeat(np.arange(tables, dtype=np.int32), n_t)
     for b in range(batches):
         sl = slice(b * n, (b + 1) * n)
+        ids_of: _IdsOf = perm if ranking is None else partial(ranking.ids, batch=b)
         if prof is None:
-            out_ids[sl] = perm(_zipf_ranks(n, id_space, alpha, rng), flat_tab)
+            out_ids[sl] = ids_of(_zipf_ranks(n, id_space, alpha, rng), flat_tab)
             out_tab[sl] = flat_tab
         else:
             counts = _batch_counts(prof, n, n_t, rng, debt_l, debt_r)
-            out_ids[sl], out_tab[sl] = _calibrated_batch(counts, n_t, tables, id_space, alpha, perm, rng)
+            out_ids[sl], out_tab[sl] = _calibrated_batch(counts, n_t, tables, id_space, alpha, ids_of, rng)
         if progress is not None:
             progress(1)
     offsets = np.arange(batches + 1, dtype=np.int64) * n

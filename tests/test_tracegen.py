@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -10,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embstore.belady import belady_hits, dedup_batches
+from embstore.cli import main
 from embstore.errors import InvalidInputError
-from embstore.traces import dense_keys, trace_stats
-from embstore.tracegen import PROFILES, ReuseProfile, _make_distinct, _spread, generate
+from embstore.traces import dense_keys, load, trace_stats
+from embstore.tracegen import PROFILES, ReuseProfile, _DriftingRanking, _make_distinct, _Permutation, _spread, generate
 
 TOLERANCE = 3.0  # percentage points
 
@@ -147,6 +149,131 @@ def test_profile_validation():
         ReuseProfile("x", 0.1, (50.0, 10.0), (90.0, 80.0), (2, 8))
     with pytest.raises(InvalidInputError, match="unique_ratio"):
         ReuseProfile("x", 0.0, (50.0, 10.0), (90.0, 80.0), (1, 8))
+
+
+# --------------------------------------------------------------------------- temporal locality (drift)
+
+
+def _digest(t) -> str:
+    h = hashlib.sha256()
+    for a in (t.ids, t.table, t.batch_offsets):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_no_drift_is_the_trace_of_before():
+    """Digests taken with the generator before drift existed (session 10): the default must not move."""
+    kw = dict(batches=3, batch_size=2048, tables=3, ids=100_000, seed=5)
+    assert _digest(generate("dlrm2021", **kw)) == "921943c69fdb6443"
+    assert _digest(generate("dlrm2021", drift=0.0, **kw)) == "921943c69fdb6443"
+    kw = dict(batches=3, batch_size=500, tables=2, ids=10_000, seed=5)
+    assert _digest(generate(zipf_alpha=0.9, drift=0, **kw)) == "54ccc81a0af65d01"
+
+
+def _batch_profiles(t) -> list[list[np.ndarray]]:
+    """Per batch and table, the sorted counts of its ids (what the calibration shapes; ids aside)."""
+    out = []
+    for b in range(t.num_batches):
+        s, e = t.batch_offsets[b], t.batch_offsets[b + 1]
+        tab, ids = t.table[s:e], t.ids[s:e]
+        out.append([np.sort(np.unique(ids[tab == k], return_counts=True)[1]) for k in range(t.num_tables)])
+    return out
+
+
+@pytest.mark.parametrize("like", ["dlrm2021", None])
+def test_drift_is_deterministic_and_moves_ids_not_counts(like):
+    kw = dict(like=like, zipf_alpha=None if like else 1.1, batches=8, batch_size=2048, tables=3, ids=50_000)
+    a = generate(drift=0.1, seed=4, **kw)
+    assert np.array_equal(a.ids, generate(drift=0.1, seed=4, **kw).ids)
+    assert not np.array_equal(a.ids, generate(drift=0.1, seed=5, **kw).ids)
+    still = generate(drift=0.0, seed=4, **kw)
+    assert np.array_equal(a.table, still.table) and a.ids.min() >= 0 and a.ids.max() < 50_000
+    n = a.batch_offsets[1]
+    assert np.array_equal(a.ids[:n], still.ids[:n])  # batch 0 is drawn before any replacement
+    assert not np.array_equal(a.ids[n:], still.ids[n:])
+    for pa, ps in zip(_batch_profiles(a), _batch_profiles(still)):  # ids distinct: no counts merged
+        assert all(np.array_equal(x, y) for x, y in zip(pa, ps))
+
+
+@pytest.mark.parametrize("drift", [0.01, 0.2, 1.0])
+@pytest.mark.parametrize("like", ["dlrm2021", "dlrm2022"])
+def test_published_statistics_hold_with_drift(like, drift):
+    t = generate(like, batches=6, batch_size=4096, tables=4, seed=3, drift=drift)
+    _assert_matches(trace_stats(t, reuse_distances=False), PROFILES[like])
+
+
+def test_drift_in_an_id_space_a_batch_nearly_fills():
+    """Newcomers must not repeat an id the batch already holds, even when few ids are free."""
+    kw = dict(batches=6, batch_size=2048, tables=2, ids=400, seed=1)  # ~300 of 400 ids in use per batch
+    for pa, ps in zip(_batch_profiles(generate("dlrm2021", drift=0.5, **kw)),
+                      _batch_profiles(generate("dlrm2021", **kw))):
+        assert all(np.array_equal(x, y) for x, y in zip(pa, ps))
+
+
+def _hot_recur(t, k: int = 200, later: int = 50) -> float:
+    """Share of batch 0's k most looked-up rows that batch ``later`` looks up at all."""
+    keys, _ = dense_keys(t)
+    off = t.batch_offsets
+    top = np.argsort(-np.bincount(keys[off[0]:off[1]]), kind="stable")[:k]
+    return float(np.isin(top, keys[off[later]:off[later + 1]]).mean())
+
+
+def test_drift_makes_hot_rows_fade_at_the_modelled_rate():
+    """A hot row survives 50 batches with probability (1 - R) ** 50: the share of batch 0's hot rows
+    still in batch 50 falls from drift 0's by that factor."""
+    share = {r: _hot_recur(generate("dlrm2021", batches=51, batch_size=2048, tables=4, ids=100_000, seed=0,
+                                    drift=r)) for r in (0.0, 0.005, 0.02, 0.1)}
+    assert share[0.0] >= 0.8
+    assert share[0.0] > share[0.005] > share[0.02] > share[0.1]
+    for r in (0.005, 0.02, 0.1):
+        assert share[r] / share[0.0] == pytest.approx((1 - r) ** 50, abs=0.12), r
+
+
+def test_drift_lowers_cross_batch_reuse_in_zipf_mode():
+    def reuse(drift: float) -> float:
+        t = generate(zipf_alpha=1.0, batches=20, batch_size=1000, tables=2, ids=100_000, seed=2, drift=drift)
+        return trace_stats(t).reuse_distance.reaccess_pct
+
+    assert reuse(0.0) > reuse(0.05) > reuse(0.5) > reuse(1.0)
+
+
+def test_ranking_replaces_occupants_geometrically():
+    """Against the model itself: every rank drawn every batch changes occupant w.p. R per batch; a rank
+    drawn only at batches 0 and B kept its occupant w.p. (1 - R) ** B; the ranking stays a permutation."""
+    m, k, r = 1_000_000, 4000, 0.05
+    perm = _Permutation.draw(m, 2, np.random.default_rng(0))
+    ranking = _DriftingRanking(perm, r, seed=9)
+    ranks, tab = np.tile(np.arange(k), 2), np.repeat(np.arange(2, dtype=np.int32), k)
+    lazy = np.arange(500_000, 500_000 + k), np.zeros(k, dtype=np.int32)  # ranks skipped in between
+    first, lazy_first = ranking.ids(ranks, tab, 0), ranking.ids(*lazy, 0)
+    prev, changed = first, []
+    for b in range(1, 11):
+        cur = ranking.ids(ranks, tab, b)
+        assert all(np.unique(cur[tab == t]).size == k for t in (0, 1))
+        changed.append(np.mean(cur != prev))
+        prev = cur
+    assert np.mean(changed) == pytest.approx(r, abs=0.006)
+    assert np.mean(ranking.ids(*lazy, 10) == lazy_first) == pytest.approx((1 - r) ** 10, abs=0.03)
+    assert np.mean(prev == first) == pytest.approx((1 - r) ** 10, abs=0.03)
+
+
+@pytest.mark.parametrize("drift", [-0.1, 1.5, float("nan"), "0.1", True, None])
+def test_drift_must_be_a_rate(drift):
+    with pytest.raises(InvalidInputError, match=r"drift must be a number in \[0, 1\]"):
+        generate("dlrm2021", batches=1, batch_size=2048, drift=drift)
+
+
+def test_trace_gen_drift_flag(tmp_path, capsys):
+    out = tmp_path / "t.npz"
+    args = ["trace", "gen", "--like", "dlrm2021", "--batches", "3", "--batch-size", "2048", "--tables", "2",
+            "--seed", "6", "--out", str(out)]
+    assert main(args + ["--drift", "0.3"]) == 0
+    want = generate("dlrm2021", batches=3, batch_size=2048, tables=2, seed=6, drift=0.3)
+    assert np.array_equal(load(out).ids, want.ids)
+    with pytest.raises(SystemExit) as exc:  # a usage error, before any work
+        main(args + ["--drift", "2"])
+    assert exc.value.code == 2
+    assert "--drift: expected a number in [0, 1], got '2'" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- building blocks

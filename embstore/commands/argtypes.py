@@ -43,6 +43,17 @@ def nonneg_seconds(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A probability or fraction: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def byte_size(text: str) -> int:
     """``2GiB``, ``256MiB``, ``6400``."""
     try:

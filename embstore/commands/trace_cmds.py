@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 from embstore.progress import progress_bar
-from embstore.commands.argtypes import nonneg_int, positive_int
+from embstore.commands.argtypes import nonneg_int, positive_int, share
 from embstore import tracegen, traces
 from embstore.errors import InvalidInputError
 
@@ -32,11 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "  dlrm_datasets traces (unique ratio and reuse histogram, averaged over batches, within\n"
                     "  a point) at the batch size you ask for; needs BATCH_SIZE x POOLING > 1024.\n"
                     "  --zipf then sets how skewed long-run id popularity is (cross-batch reuse, default 1.0).\n"
-                    "--zipf ALPHA alone draws every lookup from Zipf(ALPHA) over each table's ids.",
+                    "--zipf ALPHA alone draws every lookup from Zipf(ALPHA) over each table's ids.\n"
+                    "--drift R (either mode) moves popularity: each batch, every rank of a table's popularity\n"
+                    "  ranking passes to a newcomer id with probability R (hot rows live ~1/R batches); the\n"
+                    "  per-batch statistics stay the same. Default 0: a fixed ranking.",
         epilog="example: embstore trace gen --like dlrm2022 --batches 50 --batch-size 16384 --tables 8 "
                "--out t.npz")
     g.add_argument("--like", choices=sorted(tracegen.PROFILES), help="published statistics to reproduce")
     g.add_argument("--zipf", type=float, metavar="ALPHA", help="Zipf exponent of id popularity (>= 0)")
+    g.add_argument("--drift", type=share, default=0.0, metavar="R",
+                   help="share of each table's popularity ranking replaced per batch, in [0, 1] (default 0)")
     g.add_argument("--batches", type=positive_int, default=10, help="number of batches (default 10)")
     g.add_argument("--batch-size", type=positive_int, default=4096, help="samples per batch (default 4096)")
     g.add_argument("--tables", type=positive_int, default=8, help="number of tables (default 8)")
@@ -73,7 +78,8 @@ def cmd_gen(args: argparse.Namespace) -> int:
     with progress_bar(total=args.batches, desc="trace gen", unit="batch") as bar:
         trace = tracegen.generate(args.like, zipf_alpha=args.zipf, batches=args.batches,
                                   batch_size=args.batch_size, tables=args.tables, ids=args.ids,
-                                  pooling=args.pooling, seed=args.seed, progress=bar.update)
+                                  pooling=args.pooling, seed=args.seed, drift=args.drift,
+                                  progress=bar.update)
     traces.save(trace, args.out)
     print(f"wrote {args.out}: {len(trace):,} accesses, {trace.num_batches} batches, {trace.num_tables} tables")
     return 0

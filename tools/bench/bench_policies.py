@@ -1,11 +1,14 @@
 """Online cache policies against Belady's MIN on dlrm2021-like traces.
 
-    python -m tools.bench.bench_policies [--quick]
+    python -m tools.bench.bench_policies [--quick] [--drift R]
 
 For one cache over all tables (rows are (table, id) pairs, per-batch
 deduplicated accesses), at 1%, 5% and 10% of the unique rows, prints each
 policy's hit ratio and its share of MIN's hit ratio (the baseline, measured in
-the same run). Goal: the best policy >= 95% of MIN.
+the same run). Goal: the best policy >= 95% of MIN. ``--drift R`` generates the
+trace with temporal locality: each batch, every rank of a table's popularity
+ranking passes to a newcomer with probability R (``embstore.tracegen``); the
+default 0 is a fixed ranking.
 
 Two reference points follow the store's policies (they are not policies the
 store can run, and do not count as "best"):
@@ -13,9 +16,10 @@ store can run, and do not count as "best"):
 - ``exact-lfu``: an online LFU that remembers the exact count of every row ever
   seen (unbounded memory): a row enters at its count, the victim is the least
   counted resident (least recently used among equals), a row is admitted only
-  when its count beats the victim's. On a trace whose popularity is stationary,
-  ranking rows by count is what any online policy can do at best, so this is
-  the ceiling of the frequency-based policies above.
+  when its count beats the victim's. On a trace whose popularity is stationary
+  (drift 0), ranking rows by count is what any online policy can do at best, so
+  this is the ceiling of the frequency-based policies above; with drift, old
+  counts mislead it and it is no ceiling.
 - ``topk-hindsight``: the best fixed set of rows chosen with the whole trace's
   counts (offline: it knows the future), filled on first access.
 """
@@ -30,6 +34,7 @@ import numpy as np
 
 from embstore import tracegen
 from embstore.belady import belady_hits, dedup_batches
+from embstore.commands.argtypes import share
 from embstore.simulator import miss_ratio_curve
 from embstore.traces import dense_keys
 
@@ -100,19 +105,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small trace")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    ap.add_argument("--drift", type=share, default=0.0, metavar="R",
+                    help="share of each table's popularity ranking replaced per batch (default 0)")
     args = ap.parse_args(argv)
     size = dict(batches=20, batch_size=2048, tables=4, ids=200_000) if args.quick else \
         dict(batches=100, batch_size=8192, tables=8, ids=2_000_000)
-    tr = tracegen.generate("dlrm2021", seed=0, **size)
+    tr = tracegen.generate("dlrm2021", seed=0, drift=args.drift, **size)
     keys, off = dedup_batches(dense_keys(tr)[0], tr.batch_offsets)
     uniq = int(np.unique(keys).size)
     caps = np.array([max(1, int(f * uniq)) for f in FRACTIONS], np.int64)
-    out: dict = {"accesses": int(keys.size), "unique_rows": uniq, "fractions": list(FRACTIONS),
+    out: dict = {"drift": args.drift, "accesses": int(keys.size), "unique_rows": uniq, "fractions": list(FRACTIONS),
                  "capacities": caps.tolist(), "belady_hit_ratio": [], "policies": {}, "references": {}}
     n = keys.size
     mins = np.array([belady_hits(keys, int(c)) for c in caps])
     out["belady_hit_ratio"] = (mins / n).tolist()
-    print(f"{n:,} deduplicated accesses, {uniq:,} unique rows; hit ratio (share of MIN)")
+    print(f"drift {args.drift:g}: {n:,} deduplicated accesses, {uniq:,} unique rows; hit ratio (share of MIN)")
     print(f"{'policy':<15}" + "".join(f"{f'{100 * f:.0f}% ({c:,})':>22}" for f, c in zip(FRACTIONS, caps)))
     print(f"{'belady':<15}" + "".join(f"{100 * m / n:21.2f}%" for m in mins))
 
