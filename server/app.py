@@ -13,7 +13,8 @@ answers:
 ``PUT /v1/tables/{name}/rows``     overwrite rows; ``204`` once durable; token when one is set
 ``GET /v1/models``                 ``[{"name", "tables", "embedding_dim", "dense_in_features", ...}]``
 ``POST /v1/models/{name}/predict``  click probabilities of samples (JSON, see ``protocol``)
-``POST /v1/admin/reload``          reopen the store (and its models) from disk; token when one is set
+``POST /v1/admin/reload``          flush, then reopen the store (and its models) from disk; token when one
+                                   is set; ``503`` and the old store kept while its flush fails
 ``GET /metrics``                   Prometheus text
 ``GET /``                          HTML status page
 =================================  ==================================================
@@ -230,7 +231,9 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
 
     @app.post("/v1/admin/reload", responses={401: {"description": "missing or wrong token"},
                                              409: {"description": "the store on disk cannot be read"},
-                                             **_errors(503)})
+                                             503: {"description": "the open store cannot be flushed (full disk, "
+                                                                  "EIO): refused, the old store keeps serving; or "
+                                                                  "the new one could not be opened"}})
     async def reload(request: Request) -> dict[str, Any]:
         require_token(request)
         served = await gate.reload()

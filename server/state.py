@@ -5,10 +5,14 @@ Every request that touches the store holds a *lease* on the current
 for as long as it uses it. Leases are counted on the event loop, so no lock is
 needed. A reload closes the gate to new leases (arrivals wait, they do not
 fail), waits until the leases in flight are returned, then - shielded from
-cancellation - flushes and closes the old store and opens the new one, and
+cancellation - flushes the old store, closes it and opens the new one, and
 reopens the gate. The store is not opened twice at once because a store's tier
 files are exclusive to one open store (mmap homes flock, RocksDB locks, cache
-files are rebuilt on open).
+files are rebuilt on open). A reload whose flush fails (a full disk, EIO) is
+refused and the old store goes on serving, its unflushed rows still in memory:
+closing it would drop every acknowledged row that is not yet in its home (all
+of them without durable writes), and with durable writes the reopen's replay
+would fail the same way and leave no store open.
 
 All store calls block (numba, io_uring), so they run in worker threads
 (:func:`offload`); a table serialises its own calls with its lock.
@@ -350,7 +354,8 @@ class StoreGate:
         self._drained = None
 
     async def reload(self) -> Served:
-        """Reopen the store from disk once the requests using the old one have finished."""
+        """Reopen the store from disk once the requests using the old one have finished and its rows
+        are flushed."""
         async with self._reload_lock:
             try:  # refuse early and keep serving the open store
                 await offload(precheck_store, self.settings.store)
@@ -359,6 +364,7 @@ class StoreGate:
             self._reopened = asyncio.Event()
             try:
                 await self._drain()
+                await self._flush_before_reload(self.current)
                 old, self.current = self.current, None
                 try:
                     self.current = await offload_shielded(self._swap, old)
@@ -370,11 +376,26 @@ class StoreGate:
                 self._reopened.set()
                 self._reopened = None
 
+    async def _flush_before_reload(self, served: Served | None) -> None:
+        """Flush ``served`` before it is given up; if that fails, refuse the reload (``503``) and keep it
+        open and dirty, so that a later flush (periodic, the next reload, shutdown) still saves its rows
+        once space is freed or the storage repaired."""
+        if served is None:
+            return
+        try:
+            await offload_shielded(served.flush)
+        except Exception as exc:
+            kept = "in memory and in the write-ahead log" if served.durable_writes else "in memory only"
+            log.error("reload of %s refused: flushing the open store failed: %s", self.settings.store, exc)
+            raise ApiError(503, f"reload refused, still serving the store opened before: flushing its written "
+                                f"rows failed ({exc}); they are kept {kept} until a flush succeeds: free space "
+                                "or repair the storage, then retry the reload") from exc
+
     def _swap(self, old: Served | None) -> Served:
         if old is not None:
-            try:
-                old.close()  # flushes every acknowledged write first
-            except Exception as exc:  # still reopen: what the old store could not flush is lost either way
+            try:  # the flush before saved every acknowledged write, and none came since (the gate is shut)
+                old.close()
+            except Exception as exc:  # so reopen anyway: a close that fails here loses nothing acknowledged
                 log.error("closing %s before the reload failed: %s", self.settings.store, exc)
         try:
             return self._open_served()
@@ -405,7 +426,8 @@ class StoreGate:
                 log.error("periodic flush failed: %s", exc)
 
     async def close(self) -> None:
-        """Wait for leases, then flush and close the store."""
+        """Wait for leases, then flush and close the store; a failed flush is raised (and logged with what
+        it cost: the process is ending, so unlike a reload it cannot keep the rows served)."""
         async with self._reload_lock:
             self._reopened = asyncio.Event()
             await self._drain()
@@ -414,4 +436,15 @@ class StoreGate:
             self._reopened.set()
             self._reopened = None
             if served is not None:
-                await offload_shielded(served.close)
+                await offload_shielded(self._close_served, served)
+
+    def _close_served(self, served: Served) -> None:
+        """Blocking: ``served.close()``; a failed final flush is logged saying whether rows were lost."""
+        try:
+            served.close()
+        except Exception as exc:
+            cost = ("the write-ahead log keeps the acknowledged rows and the next open replays them"
+                    if served.durable_writes else
+                    "rows written since the last successful flush are lost (--no-durable-writes)")
+            log.error("the final flush of %s failed (%s): %s", self.settings.store, exc, cost)
+            raise

@@ -299,16 +299,18 @@ def test_a_write_that_fails_part_way_invalidates_the_pooled_cache(tmp_path):
         np.testing.assert_allclose(pooled, rows.sum(0), rtol=1e-6)
 
 
-def test_a_reload_whose_close_fails_still_reopens_the_store(tmp_path, monkeypatch):
-    """The old store's log cannot be sealed (EIO): its tables must still be closed (their tier locks
-    released), so the reopen - which replays the log - succeeds instead of 503 until a restart."""
+def test_a_reload_whose_close_fails_still_reopens_the_store(tmp_path, monkeypatch, caplog):
+    """The old store's log cannot be sealed (EIO). In the reload's flush that refuses the reload (503, the
+    old store keeps serving the row); in the close after a good flush its tables must still be closed
+    (their tier locks released), so the reopen - which replays the log - succeeds instead of 503 until a
+    restart."""
     make_store(tmp_path / "s", "mmap")  # an mmap home holds a lock on its files while open
     real_seal = WriteAheadLog.seal
-    state = {"fail": False}
+    state = {"fail_in": 0}  # which seal from now on fails: 1 = the next one
 
     def seal(self):
-        if state["fail"]:
-            state["fail"] = False
+        state["fail_in"] -= 1
+        if state["fail_in"] == 0:
             raise TierIOError("write-ahead log", "sync", errno.EIO)
         return real_seal(self)
 
@@ -316,9 +318,14 @@ def test_a_reload_whose_close_fails_still_reopens_the_store(tmp_path, monkeypatc
     with ServerThread(create_app(ServerSettings(store=tmp_path / "s", flush_interval=0))) as srv, \
             httpx.Client(base_url=srv.url, timeout=30) as c:
         assert put(c, [1], 4.0).status_code == 204
-        state["fail"] = True
+        state["fail_in"] = 1  # the reload's flush
         resp = c.post("/v1/admin/reload")
-        assert resp.status_code == 200, resp.text
+        assert resp.status_code == 503 and "write-ahead log" in resp.json()["detail"], resp.text
+        assert (lookup(c, [1]) == 4.0).all()
+        state["fail_in"] = 2  # the close, after the reload's flush succeeded
+        resp = c.post("/v1/admin/reload")
+        assert resp.status_code == 200 and resp.json()["reloads"] == 1, resp.text
+        assert "closing" in caplog.text and "before the reload failed" in caplog.text
         assert (lookup(c, [1]) == 4.0).all()
         assert put(c, [2], 5.0).status_code == 204
     assert (read_store(tmp_path / "s")[[1, 2], 0] == [4.0, 5.0]).all()
