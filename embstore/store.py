@@ -7,14 +7,21 @@
       manifest.json      format version and per-table layout; replaced atomically
       tables/NAME/       the table's tier files (home/, cache-N.mmap, ...)
       wal/               write-ahead log of ``update_logged`` writes not flushed yet (``embstore.wal``)
+      .creating          only while ``create`` runs: what a crash leaves with it is debris, not a store
 
 Both metadata files are written to a temporary file, fsynced and moved into
 place with ``os.replace`` (then the directory is fsynced), so a crash leaves
-either the old or the new version, never a torn one.
+either the old or the new version, never a torn one. Between the two files a
+crash is repaired by the next open: the config is written first, and a table
+it names that the manifest lacks (also one added to config.toml by hand) is
+created empty, its entry added to the manifest. A table folder holding
+``.relayout`` is being re-laid out (``ensure_state_dim``): it holds no rows,
+and the next open of the table deletes its tier files before building them.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import json
 import logging
@@ -24,10 +31,10 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from embstore.atomic import atomic_write
+from embstore.atomic import atomic_file, atomic_write, fsync_dir
 from embstore.config import HashKind, StoreConfig, TableConfig
 from embstore.errors import (ConfigError, CorruptStoreError, EmbstoreError, StoreClosedError, StoreExistsError,
-                             StoreNotFoundError, TableExistsError, UnknownTableError)
+                             StoreNotFoundError, TableExistsError, UnknownTableError, tier_io_error)
 from embstore.hierarchy import Hierarchy
 from embstore.rows import RowFormat, initial_rows
 from embstore.table import Table
@@ -40,6 +47,8 @@ log = logging.getLogger("embstore.store")
 FORMAT = "embstore/1"
 CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "manifest.json"
+CREATING_FILE = ".creating"
+RELAYOUT_FILE = ".relayout"
 
 
 class Store:
@@ -82,6 +91,8 @@ class Store:
         num_rows = mapper.num_rows if mapper is not None else cfg.num_embeddings
         table_dir = self.path / entry["dir"]
         table_dir.mkdir(parents=True, exist_ok=True)
+        if (table_dir / RELAYOUT_FILE).exists():  # ensure_state_dim's old tier files, partly deleted maybe
+            _clear_tier_files(table_dir, drop_mark=True)
         caches, home = build_tiers(cfg.tiers, fmt.row_bytes, num_rows, table_dir)
         hierarchy = Hierarchy(caches, home, lambda ids: _initial(cfg, fmt, ids))
         return Table(cfg, fmt, hierarchy, mapper)
@@ -112,22 +123,37 @@ class Store:
         # A folder already there is not in the manifest, the commit record: debris of a failed attempt.
         shutil.rmtree(folder, ignore_errors=True)
         table: Table | None = None
+        old_config = (self.path / CONFIG_FILE).read_bytes()
         try:
             cfg = _adopt_mappings(self.path, StoreConfig((cfg,)), Path.cwd()).tables[0]  # copies a learned map in
             entry = manifest["tables"][cfg.name] = _entry(cfg, state_dim)  # with the adopted mapping's path
             new_config = StoreConfig((*self.config.tables, cfg))
             table = self._open_table(cfg, entry)  # validates hash files etc. before anything is persisted
-            _write_metadata(self.path, new_config, manifest)
+            _write_config(self.path, new_config)  # from here a crash leaves the table, added by the next open
+            _write_manifest(self.path, manifest)
         except BaseException:
             if table is not None:
                 close_all([table])
-            shutil.rmtree(folder, ignore_errors=True)
+            if self._restore_config(old_config, cfg.name):
+                shutil.rmtree(folder, ignore_errors=True)
             raise
         self._manifest = manifest
         self.config = new_config
         self.tables[cfg.name] = table
         log.info("created table %s in %s", cfg.name, self.path)
         return table
+
+    def _restore_config(self, old: bytes, name: str) -> bool:
+        """Put back config.toml as it was before a failed create_table; False if that failed too (then the
+        next open adds the table, empty, so its folder and learned-hash mapping must stay)."""
+        try:
+            if (self.path / CONFIG_FILE).read_bytes() != old:
+                atomic_write(self.path / CONFIG_FILE, old)
+            return True
+        except OSError as exc:
+            log.error("create_table(%r) failed and %s could not be restored (%s): the next open of %s adds "
+                      "the table, empty", name, self.path / CONFIG_FILE, exc, self.path)
+            return False
 
     def ensure_state_dim(self, name: str, state_dim: int) -> Table:
         """Give table ``name`` room for ``state_dim`` float32 optimizer-state columns beside each row.
@@ -150,13 +176,16 @@ class Store:
                 f"this optimizer needs {state_dim}. Export its rows (embstore export), create a new store, and "
                 "import them before training")
         table.close()
-        folder = self.path / self._manifest["tables"][name]["dir"]
-        for item in folder.iterdir() if folder.is_dir() else ():  # tier files go; a hash mapping stays
-            if not item.name.startswith("hash"):
-                shutil.rmtree(item) if item.is_dir() else item.unlink()
         manifest = json.loads(json.dumps(self._manifest))
         manifest["tables"][name]["state_dim"] = state_dim
-        _write_metadata(self.path, self.config, manifest)
+        try:
+            # The mark makes the old tier files debris whichever manifest a crash leaves: _open_table (now,
+            # or at the next open) deletes them, then the mark, and only then builds the tiers.
+            _mark(self.path / manifest["tables"][name]["dir"] / RELAYOUT_FILE)
+            _write_manifest(self.path, manifest)
+        except BaseException:
+            self.tables[name] = self._open_table(table.config)  # the old layout, empty as before
+            raise
         self._manifest = manifest
         self.tables[name] = self._open_table(table.config)
         log.info("table %s now stores %d optimizer-state columns per row", name, state_dim)
@@ -175,13 +204,18 @@ class Store:
     def update_logged(self, name: str, ids: Any, rows: Any) -> None:
         """``store[name].update(ids, rows)``, first appended to the store's write-ahead log, so that
         :meth:`sync_log` makes it durable without a flush (the HTTP server acknowledges PUTs so).
-        A crash before the next flush is repaired by the next :func:`open`, which replays the log."""
+        A crash before the next flush is repaired by the next :func:`open`, which replays the log. A
+        write that fails to apply (a full disk under a write-back) is cut from the log before it raises."""
         table = self[name]
         arr, vals = table.check_update(ids, rows)  # a write that would be refused is not logged
         with self._wal_lock:
             self._check_open()  # again under the lock: a close() that ran meanwhile must not see it logged
             self._wal.append(name, arr, vals)
-            table.update(arr, vals)
+            try:
+                table.update(arr, vals)
+            except BaseException:  # the caller learns that the write failed: a replay must not bring it back
+                self._wal.retract()
+                raise
 
     def sync_log(self) -> None:
         """Make every ``update_logged`` write so far durable: one ``fdatasync`` of the log, shared by
@@ -270,9 +304,52 @@ def _check_entries(path: Path, tables: dict[str, Any]) -> None:
                                     f'{{"dir": "tables/{name}", "state_dim": N >= 0}}, got {entry!r})')
 
 
-def _write_metadata(path: Path, config: StoreConfig, manifest: dict[str, Any]) -> None:
-    atomic_write(path / CONFIG_FILE, config.to_toml().encode())
-    atomic_write(path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True).encode())
+def _write_file(target: Path, data: bytes) -> None:
+    """:func:`atomic_write`, a failure raised as a typed error (DiskFullError on ENOSPC)."""
+    try:
+        atomic_write(target, data)
+    except OSError as exc:
+        raise tier_io_error("store", f"writing {target}", exc) from exc
+
+
+def _mark(target: Path) -> None:
+    """Create the empty file ``target`` durably. Not with atomic_write: a crash must leave the mark or
+    nothing, not a temporary file that is neither."""
+    try:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        fsync_dir(target.parent)
+    except OSError as exc:
+        raise tier_io_error("store", f"creating {target}", exc) from exc
+
+
+def _write_config(path: Path, config: StoreConfig) -> None:
+    _write_file(path / CONFIG_FILE, config.to_toml().encode())
+
+
+def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Replace the manifest, after making the table folders' entries durable (it commits them)."""
+    try:
+        if (path / "tables").is_dir():
+            fsync_dir(path / "tables")
+    except OSError as exc:
+        raise tier_io_error("store", f"syncing {path / 'tables'}", exc) from exc
+    _write_file(path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True).encode())
+
+
+def _clear_tier_files(folder: Path, drop_mark: bool = False) -> None:
+    """Delete the tier files of a table that holds no rows; its learned-hash mapping (``hash*``, named by
+    the config) stays. The re-layout mark goes last, and only with ``drop_mark``: once that is durable,
+    rows may land in the new tiers, which the next open must not clear."""
+    try:
+        for item in folder.iterdir():
+            if not item.name.startswith("hash") and item.name != RELAYOUT_FILE:
+                shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
+        fsync_dir(folder)
+        if drop_mark:
+            (folder / RELAYOUT_FILE).unlink()
+            fsync_dir(folder)
+    except OSError as exc:
+        raise tier_io_error("store", f"deleting the tier files in {folder}", exc) from exc
 
 
 def _adopt_mappings(store_dir: Path, cfg: StoreConfig, base: Path) -> StoreConfig:
@@ -291,7 +368,8 @@ def _adopt_mappings(store_dir: Path, cfg: StoreConfig, base: Path) -> StoreConfi
                                   "(fit one with `embstore hash fit`)")
             rel = f"tables/{t.name}/hash{src.suffix or '.ehash'}"
             (store_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, store_dir / rel)
+            with builtins.open(src, "rb") as source, atomic_file(store_dir / rel) as copy:
+                shutil.copyfileobj(source, copy)  # durable before the config that names it
             t = dataclasses.replace(t, hash=dataclasses.replace(t.hash, mapping=rel))
         tables.append(t)
     return StoreConfig(tuple(tables))
@@ -302,18 +380,32 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
     p = Path(path)
     from_file = not isinstance(config, StoreConfig) and "\n" not in os.fspath(config)
     cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_toml(os.fspath(config))
-    if (p / MANIFEST_FILE).exists() or (p / CONFIG_FILE).exists():
+    if (p / MANIFEST_FILE).exists():
+        raise StoreExistsError(f"{p} already holds a store; open it with embstore.open()")
+    if (p / CREATING_FILE).exists():  # what a create() that died left: nothing in it was acknowledged
+        log.warning("%s holds what an interrupted create() left; removing it to create the store again", p)
+        _remove_contents(p, keep_dir=True)
+    if (p / CONFIG_FILE).exists():
         raise StoreExistsError(f"{p} already holds a store; open it with embstore.open()")
     if p.exists() and (not p.is_dir() or any(p.iterdir())):
         raise StoreExistsError(f"{p} exists and is not an empty directory")
     created = not p.exists()
     p.mkdir(parents=True, exist_ok=True)
+    store: Store | None = None
     try:
+        if created:
+            fsync_dir(p.parent)
+        _mark(p / CREATING_FILE)  # until the manifest is in place, the folder is debris
         cfg = _adopt_mappings(p, cfg, Path(os.fspath(config)).parent if from_file else Path.cwd())
         manifest = {"format": FORMAT, "tables": {t.name: _entry(t, 0) for t in cfg.tables}}
-        _write_metadata(p, cfg, manifest)
         store = Store(p, cfg, manifest)  # builds every tier: a refused one (a capacity below a row) raises here
+        _write_config(p, cfg)
+        _write_manifest(p, manifest)  # the commit: from here open() takes it
+        (p / CREATING_FILE).unlink()
+        fsync_dir(p)
     except BaseException:  # leave no half-made store behind, which neither open() nor a second create() takes
+        if store is not None:
+            close_all(list(store.tables.values()))
         _remove_contents(p, keep_dir=not created)
         raise
     log.info("created store %s with tables %s", p, [t.name for t in cfg.tables])
@@ -333,6 +425,9 @@ def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
     """Reopen a store created by :func:`create`."""
     p = Path(path)
     if not (p / MANIFEST_FILE).exists():
+        if (p / CREATING_FILE).exists():
+            raise StoreNotFoundError(f"no embstore store at {p}: its create() was interrupted (it holds "
+                                     f"{CREATING_FILE}); create it again")
         raise StoreNotFoundError(f"no embstore store at {p} (missing {MANIFEST_FILE})")
     try:
         manifest = json.loads((p / MANIFEST_FILE).read_text())
@@ -348,10 +443,33 @@ def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
     missing = sorted(set(manifest["tables"]) - {t.name for t in cfg.tables})
     if missing:
         raise CorruptStoreError(f"{p / CONFIG_FILE} lacks table {missing[0]!r} listed in the manifest")
+    added = _add_config_tables(p, cfg, manifest)
     store = Store(p, cfg, manifest)
     try:
+        if added:
+            _write_manifest(p, manifest)
+            log.warning("%s: table(s) %s were in %s but not in %s (a create_table interrupted, or added by "
+                        "hand): created empty and added to the manifest", p, ", ".join(map(repr, added)),
+                        CONFIG_FILE, MANIFEST_FILE)
         store._replay_log()
     except BaseException:
         close_all(list(store.tables.values()))
         raise
+    if (p / CREATING_FILE).exists():  # create() died after its manifest: the store is whole
+        try:
+            (p / CREATING_FILE).unlink()
+        except OSError as exc:  # harmless where it stays: create() refuses a folder with a manifest
+            log.warning("could not remove %s: %s", p / CREATING_FILE, exc)
     return store
+
+
+def _add_config_tables(path: Path, cfg: StoreConfig, manifest: dict[str, Any]) -> list[str]:
+    """Give each config table the manifest lacks an entry (in ``manifest``), after deleting what a
+    create_table that died left in its folder (tier files of a table that never held a row; a
+    learned-hash mapping the config names stays). Returns their names."""
+    added = [t for t in cfg.tables if t.name not in manifest["tables"]]
+    for t in added:
+        entry = manifest["tables"][t.name] = _entry(t, 0)
+        if (path / entry["dir"]).is_dir():
+            _clear_tier_files(path / entry["dir"])
+    return [t.name for t in added]

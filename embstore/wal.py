@@ -6,7 +6,9 @@ every small write costs the table's size. ``Store.update_logged`` instead
 applies a write and appends it here; ``Store.sync_log()`` (one ``fdatasync``,
 shared by every write appended before it) makes it durable. A flush seals the
 current segment first and deletes the sealed ones once the tables are
-flushed; opening a store replays what is left, flushes and deletes it.
+flushed; opening a store replays what is left, flushes and deletes it. A
+write whose apply fails after its append is cut off again (``retract``): its
+caller was told it failed, so a replay must not bring it back.
 
 ::
 
@@ -128,6 +130,8 @@ class WriteAheadLog:
         self._seq = int(existing[-1].stem) + 1 if existing else 1
         self._fd = -1
         self._torn_seq: int | None = None  # a segment left with a partial record that could not be cut off
+        self._unsynced_seq: int | None = None  # a segment whose sync failed in retract(): see there
+        self._last_start = -1  # where the current segment's last appended record begins
 
     def _segment(self, seq: int) -> Path:
         return self.directory / f"{seq:08d}.log"
@@ -160,6 +164,34 @@ class WriteAheadLog:
             except OSError:
                 self._torn_seq = self._seq
             raise tier_io_error("write-ahead log", "append", exc) from exc
+        self._last_start = end
+
+    def retract(self) -> None:
+        """Cut off the record the last :meth:`append` added (no append or seal may come between): its
+        write failed to apply and its caller was told so, which a replay after a crash would undo.
+
+        The cut is synced, so that a sync that raced with the append (``sync_handle`` runs outside the
+        store's lock) cannot leave the record on disk for a power cut to bring back. If the cut fails
+        the record stays and a crash before the next flush replays it (logged). If its sync fails, the
+        kernel has reported, and forgotten, a write-back error of this segment's pages: a later sync would
+        "succeed" without them, so :meth:`sync_handle` refuses until a flush retires the segment."""
+        if self._fd < 0 or self._last_start < 0:
+            return
+        start, self._last_start = self._last_start, -1
+        try:
+            os.ftruncate(self._fd, start)
+        except OSError as exc:
+            log.error("write-ahead log %s: could not cut off the record of a write that failed (%s); if the "
+                      "process dies before the next flush, its replay applies that write", self._segment(self._seq),
+                      exc)
+            return
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            self._unsynced_seq = self._seq
+            log.error("write-ahead log %s: sync failed after cutting off the record of a failed write (%s); "
+                      "writes are acknowledged by a flush until one retires the segment", self._segment(self._seq),
+                      exc)
 
     def sync(self, fd: int) -> None:
         """``fdatasync(fd)`` (a :meth:`sync_handle`), a failure raised as a ``TierIOError``."""
@@ -171,6 +203,9 @@ class WriteAheadLog:
     def sync_handle(self) -> int:
         """A duplicate of the current segment's descriptor (-1 when none is open): the caller may
         ``fdatasync`` and close it outside the store's lock, while appends and seals go on."""
+        if self._unsynced_seq is not None and self._unsynced_seq == self._seq:
+            raise TierIOError("write-ahead log", "sync", errno.EIO,
+                              f"an earlier sync of {self._segment(self._seq)} failed; a flush must retire it")
         return os.dup(self._fd) if self._fd >= 0 else -1
 
     def seal(self) -> int:
@@ -181,6 +216,7 @@ class WriteAheadLog:
             os.close(self._fd)
             self._fd = -1
             self._seq += 1
+            self._last_start = -1
         return self._seq
 
     def drop_before(self, seq: int) -> None:
@@ -192,6 +228,8 @@ class WriteAheadLog:
             fsync_dir(self.directory)
         if self._torn_seq is not None and self._torn_seq < seq:
             self._torn_seq = None
+        if self._unsynced_seq is not None and self._unsynced_seq < seq:
+            self._unsynced_seq = None
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -3,6 +3,9 @@ replay keeps the order writes were applied in, and flushes drop only what they c
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.wal import WAL_DIR, WriteAheadLog, read_records
+from faultfs import needs_mount
 
 ROWS, DIM = 200, 4
 CONFIG = StoreConfig((TableConfig("t", ROWS, DIM, tiers=(TierConfig("dram", 64 * DIM * 4, "lru"), TierConfig("ssd"))),
@@ -247,3 +251,70 @@ def test_a_checksummed_but_inconsistent_record_is_a_corrupt_store(store_path, pa
         struct.pack("<III", 0x314C5745, len(payload), zlib.crc32(payload)) + payload)
     with pytest.raises(embstore.CorruptStoreError, match="record at offset 0 is damaged"):
         embstore.open(store_path)
+
+
+def _fill(path) -> None:
+    """Take every free page of the file system holding ``path``."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+@needs_mount
+def test_a_logged_write_that_fails_to_apply_is_cut_from_the_log(tiny_tmpfs, tmp_path) -> None:
+    """A full disk: the small record still fits in the log segment's last page, then the ssd home's
+    write-back of an evicted row fails. The write is reported failed (DiskFullError), so a crash image
+    taken then must not replay it; writes acknowledged before and after it replay."""
+    path = tiny_tmpfs.path / "s"
+    cfg = StoreConfig((TableConfig("t", 100_000, DIM, tiers=(TierConfig("dram", 2 * DIM * 4, "lru"),
+                                                              TierConfig("ssd"))),))
+    failed = np.array([256 * 10, 256 * 20, 256 * 30], np.int64)  # rows in blocks no write has touched
+    with embstore.create(path, cfg) as store:
+        initial = store["t"].lookup(failed)
+        store.update_logged("t", np.array([0]), rows_of(1.0))
+        store.sync_log()
+        _fill(tiny_tmpfs.path / "filler")
+        with pytest.raises(embstore.DiskFullError) as info:
+            store.update_logged("t", failed, np.full((3, DIM), 2.0, np.float32))
+        assert info.value.tier == "ssd"  # the log append succeeded; applying the write failed
+        assert [r[1].tolist() for r in read_records(path / WAL_DIR)] == [[0]]
+        shutil.copytree(path, tmp_path / "crash")  # what a SIGKILL now leaves
+        (tiny_tmpfs.path / "filler").unlink()
+        store.update_logged("t", np.array([7]), rows_of(3.0))  # the log goes on after the cut
+        store.sync_log()
+        shutil.copytree(path, tmp_path / "crash2")
+    with embstore.open(tmp_path / "crash") as s:
+        assert (s["t"].lookup(np.array([0])) == 1.0).all()
+        np.testing.assert_array_equal(s["t"].lookup(failed), initial)
+    with embstore.open(tmp_path / "crash2") as s:
+        np.testing.assert_array_equal(s["t"].lookup(np.array([0, 7]))[:, 0], [1.0, 3.0])
+
+
+def test_a_failed_sync_of_the_cut_refuses_log_syncs_until_a_flush(store_path, monkeypatch) -> None:
+    """After an fdatasync error the kernel forgets it, so a later sync would "succeed" without the lost
+    pages: sync_log must refuse until a flush retires the segment. Mocks: the apply's failure and the
+    EIO cannot be aimed at these two calls for real (the ENOSPC test above covers the real cut)."""
+    with embstore.open(store_path) as s:
+        s.update_logged("t", np.array([1]), rows_of(1.0))
+
+        def disk_fails(ids, rows):
+            raise embstore.DiskFullError("ssd", "write", errno.ENOSPC)
+
+        def eio(fd):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(s["t"], "update", disk_fails)
+        monkeypatch.setattr(os, "fdatasync", eio)
+        with pytest.raises(embstore.DiskFullError):
+            s.update_logged("t", np.array([2]), rows_of(2.0))
+        monkeypatch.undo()
+        assert [r[1].tolist() for r in read_records(store_path / WAL_DIR)] == [[1]]  # cut all the same
+        with pytest.raises(embstore.TierIOError, match="a flush must retire it"):
+            s.sync_log()
+        s.flush()
+        s.update_logged("t", np.array([3]), rows_of(3.0))
+        s.sync_log()  # a new segment syncs again
+        np.testing.assert_array_equal(s["t"].lookup(np.array([1, 3]))[:, 0], [1.0, 3.0])
