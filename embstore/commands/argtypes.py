@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from embstore.config import parse_bytes
 from embstore.errors import ConfigError
@@ -60,3 +61,14 @@ def byte_size(text: str) -> int:
         return parse_bytes(text, "size")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(exc.reason) from None
+
+
+_ZERO_SIZE = re.compile(r"\s*0+(\.0*)?\s*([KMGT]i)?B?\s*", re.IGNORECASE)
+
+
+def nonneg_byte_size(text: str) -> int:
+    """A size like :func:`byte_size`, where 0 (none of it, or off) is allowed too: ``parse_bytes``
+    refuses sizes that are not positive."""
+    if _ZERO_SIZE.fullmatch(text):
+        return 0
+    return byte_size(text)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from embstore.commands.argtypes import positive_int
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -17,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="folder for the store, trace, tuned TOML, curves and metrics "
                                                "(default: a new temp folder)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (about ten seconds)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 1200, or 60 with --quick)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="training steps (default 1200, or 60 with --quick)")
     p.set_defaults(func=cmd_demo)
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from embstore.errors import EmbstoreError
+from embstore.commands.argtypes import nonneg_int, positive_int, share
+from embstore.errors import ConfigError, EmbstoreError
 
 _FIT_HELP = """\
 Fit a learned hash ("Learning to Collide"): the most accessed ids of one table
@@ -51,18 +52,19 @@ def register(subparsers: Any) -> None:
     f.add_argument("--out", required=True, metavar="F", help="mapping file to write (replaced atomically)")
     f.add_argument("--table", default=None, metavar="NAME_OR_INDEX",
                    help="which table of the trace to fit (default: table 0)")
-    f.add_argument("--batch-size", type=int, default=None, metavar="B",
+    f.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                    help="samples per batch when TRACE is in Meta's dlrm_datasets format")
-    f.add_argument("--dim", type=int, default=8, help="dimension of the learned id vectors (default 8)")
-    f.add_argument("--dedicated-fraction", type=float, default=0.5, metavar="F",
+    f.add_argument("--dim", type=positive_int, default=8, help="dimension of the learned id vectors (default 8)")
+    f.add_argument("--dedicated-fraction", type=share, default=0.5, metavar="F",
                    help="fraction of the rows given to the most accessed ids, one each (default 0.5)")
-    f.add_argument("--reserved-fraction", type=float, default=0.05, metavar="F",
+    f.add_argument("--reserved-fraction", type=share, default=0.05, metavar="F",
                    help="fraction of the rows kept for ids never seen in TRACE (default 0.05, at least one row)")
-    f.add_argument("--context-size", type=int, default=None, metavar="K",
+    f.add_argument("--context-size", type=positive_int, default=None, metavar="K",
                    help="cut batches into pieces of at most K accesses when learning co-occurrence "
                         "(default: whole batches; 1024-access windows for .npy ids)")
-    f.add_argument("--iterations", type=int, default=10, help="subspace iterations of the factorisation (default 10)")
-    f.add_argument("--seed", type=int, default=0, help="seed of the factorisation and of the unseen-id hash")
+    f.add_argument("--iterations", type=positive_int, default=10,
+                   help="subspace iterations of the factorisation (default 10)")
+    f.add_argument("--seed", type=nonneg_int, default=0, help="seed of the factorisation and of the unseen-id hash")
     f.add_argument("--quiet", action="store_true", help="no progress lines")
     f.set_defaults(func=run_fit)
 
@@ -131,6 +133,8 @@ def run_fit(args: argparse.Namespace) -> int:
 
     try:
         trace_path, out = Path(args.trace), Path(args.out)
+        if args.buckets < 2:  # checked before the trace is read, which may take minutes (the fit checks the rest)
+            raise _UsageError(f"--buckets: expected an integer >= 2, got {args.buckets}")
         if not out.parent.is_dir():
             raise _UsageError(f"--out: directory {str(out.parent)!r} does not exist")
         if out.is_dir():  # checked before the fit, which may take minutes
@@ -146,6 +150,8 @@ def run_fit(args: argparse.Namespace) -> int:
         mapper.save(out)
     except (_UsageError, EmbstoreError, OSError, ValueError) as exc:
         msg = str(exc)
+        if isinstance(exc, ConfigError) and hasattr(args, exc.key):  # a fit parameter: name its flag
+            msg = f"--{exc.key.replace('_', '-')}: {exc.reason}"
         if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError) and exc.strerror:
             msg = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
         print(f"embstore hash fit: error: {msg}", file=sys.stderr)

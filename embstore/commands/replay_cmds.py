@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import numpy as np
 
 from embstore.atomic import atomic_write
 from embstore.progress import progress_bar
-from embstore.commands.argtypes import byte_size, nonneg_int, positive_int
+from embstore.commands.argtypes import nonneg_byte_size, nonneg_int, positive_int
 from embstore import costmodel, traces
 from embstore.belady import dedup_batches
 from embstore.config import PolicySpec, RowDType
@@ -28,8 +27,8 @@ def _policies(text: str) -> list[str]:
     for p in text.split(","):
         try:
             out.append(str(PolicySpec.parse(p.strip())))
-        except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+        except ConfigError as exc:  # the reason alone: the flag is named, not a config key
+            raise argparse.ArgumentTypeError(exc.reason) from None
     return out
 
 
@@ -54,17 +53,6 @@ def _capacities(text: str) -> list[int | float]:
                                              "of unique ids in (0, 1]")
         out.append(f)
     return out
-
-
-_ZERO_SIZE = re.compile(r"\s*0+(\.0*)?\s*([KMGT]i)?B?\s*", re.IGNORECASE)
-
-
-def _budget(text: str) -> int:
-    """A byte budget like ``byte_size``, where 0 (none of that memory) is allowed too: ``--device 0`` is
-    the default, and ``byte_size`` refuses sizes that are not positive."""
-    if _ZERO_SIZE.fullmatch(text):
-        return 0
-    return byte_size(text)
 
 
 def _check_output(path: str | None, flag: str, suffix: str | None = None) -> None:
@@ -113,13 +101,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "the most hits per byte), pick the best policy per table, place the home (rocksdb for "
                     "sparse id spaces, else ssd) and write the result as a store TOML.",
         epilog="example: embstore tune t.npz --dram 2GiB --device 256MiB --dim 64 --out store.toml")
-    t.add_argument("trace", help="trace file")
-    t.add_argument("--dram", type=_budget, required=True, help="DRAM budget, e.g. 2GiB")
-    t.add_argument("--device", type=_budget, default=0, help="device (accelerator) budget, e.g. 256MiB")
+    t.add_argument("trace", help="trace file: .npz, Meta's .pt / .pt.gz, or .csv")
+    t.add_argument("--dram", type=nonneg_byte_size, required=True,
+                   help="all the DRAM the store may hold (cache rows, their directories, home indexes), e.g. 2GiB")
+    t.add_argument("--device", type=nonneg_byte_size, default=0,
+                   help="device (accelerator) budget, e.g. 256MiB (default 0: no device tier)")
     t.add_argument("--row-bytes", type=positive_int, default=None, help="bytes per row (float32: 4 x dim)")
     t.add_argument("--dim", type=positive_int, default=None, help="embedding dimension (default 64)")
-    t.add_argument("--dtype", choices=[d.value for d in RowDType], default="float32")
-    t.add_argument("--policy", type=_policies, default=list(POLICIES), help="candidate policies")
+    t.add_argument("--dtype", choices=[d.value for d in RowDType], default="float32",
+                   help="row format of the tables; with --dim it sets the bytes per row (default float32)")
+    t.add_argument("--policy", type=_policies, default=list(POLICIES),
+                   help=f"comma-separated candidate policies (default {','.join(POLICIES)})")
     t.add_argument("--batch-size", type=positive_int, default=None, help="Meta's torch format: samples per batch")
     t.add_argument("--read-only", action="store_true",
                    help="the store will only serve lookups: evictions write nothing back, so no ssd home needs "

@@ -5,15 +5,22 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from embstore.commands.argtypes import nonneg_seconds, port_number, positive_int
-from embstore.errors import StoreNotFoundError
+import embstore
+from embstore.commands.argtypes import byte_size, nonneg_byte_size, nonneg_seconds, port_number, positive_int
+from embstore.errors import InvalidInputError, StoreNotFoundError
 from embstore.store import MANIFEST_FILE
+
+if TYPE_CHECKING:
+    from embstore.store import Store
 
 
 KEEP_ALIVE_S = 30  # idle keep-alive connections live this long; clients should drop theirs sooner
 MAX_BATCH_WAIT_MS = 100.0  # ServerSettings.batch_wait allows at most 0.1 s
+_log = logging.getLogger("embstore.server")
 
 
 def batch_wait_ms(text: str) -> float:
@@ -46,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-ids", type=positive_int, default=1_000_000,
                    help="ids per request (also bags per pooled request and samples per predict request); "
                         "more is answered 413 (default 1000000)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=64 << 20,
-                   help="request body bytes; more is answered 413 (default 64 MiB)")
+    p.add_argument("--max-body-bytes", type=byte_size, default=64 << 20,
+                   help="request body size, in bytes or like 64MiB; more is answered 413 (default 64MiB)")
     p.add_argument("--request-timeout", type=nonneg_seconds, default=30.0,
                    help="seconds before a request is answered 504; 0 = no limit (default 30)")
     p.add_argument("--no-durable-writes", dest="durable_writes", action="store_false",
@@ -61,15 +68,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="milliseconds an idle table waits for more lookups to read together; 0 = coalesce only "
                         "what queues up while a read runs (default 0, at most 100)")
     p.add_argument("--no-batching", action="store_true", help="read every lookup request on its own")
-    p.add_argument("--pooled-cache-bytes", type=int, default=32 << 20,
-                   help="per-table budget of the pooled-embedding cache; 0 = off (default 32 MiB)")
+    p.add_argument("--pooled-cache-bytes", type=nonneg_byte_size, default=32 << 20,
+                   help="per-table budget of the pooled-embedding cache, in bytes or like 32MiB; 0 = off "
+                        "(default 32MiB)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from embstore.server import ServerSettings, create_app
 
     store = Path(args.store)
@@ -81,22 +87,82 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               flush_interval=args.flush_interval,
                               batching=not args.no_batching, batch_wait=args.batch_wait_ms / 1000,
                               pooled_cache_bytes=args.pooled_cache_bytes, freeze_gc=True)
+    with listen(args.host, args.port) as sock:
+        opener = _FirstOpen(embstore.open(store))  # a store that cannot be opened: one line, before uvicorn
+        try:
+            app = create_app(settings, opener=opener)
+            _log.info("serving %s (tables %s) on http://%s (Ctrl-C to stop)", store,
+                      ", ".join(opener.tables), _address(sock))
+            _run_uvicorn(app, sock, args.access_log)
+        finally:
+            opener.close_unused()
+    if app.state.shutdown_error is not None:  # the final flush failed: exit 1, not 0, naming the failure
+        raise app.state.shutdown_error
+    return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, bound before the store opens: an address that cannot be used
+    (in use, not this machine's, a name that does not resolve) is one line and exit 2, where uvicorn
+    logged it after opening the store and exited 3."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:  # socket.gaierror included
+        raise InvalidInputError(f"--host {host!r}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise InvalidInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _run_uvicorn(app: object, sock: socket.socket, access_log: bool) -> None:
+    """uvicorn on ``sock`` until Ctrl-C or SIGTERM."""
+    import uvicorn
+
     level = logging.getLogger().getEffectiveLevel()
-    app = create_app(settings)
+    config = uvicorn.Config(app, access_log=access_log, log_level="info" if level <= logging.INFO else "warning",
+                            timeout_keep_alive=KEEP_ALIVE_S)
+    server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again, which would end the process by
     # the signal (status -15) even after a clean shutdown; this handler turns that into a plain return
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log,
-                    log_level="info" if level <= logging.INFO else "warning",
-                    timeout_keep_alive=KEEP_ALIVE_S)
-    except _Terminated:
+        server.run(sockets=[sock])
+    except (_Terminated, KeyboardInterrupt):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if app.state.shutdown_error is not None:  # the final flush failed: exit 1, not 0, naming the failure
-        raise app.state.shutdown_error
-    return 0
+
+
+class _FirstOpen:
+    """The server's opener: the store ``cmd_serve`` opened itself on the first call (the app's startup),
+    ``embstore.open`` on later ones (reloads)."""
+
+    def __init__(self, store: Store) -> None:
+        self._first: Store | None = store
+        self.tables = list(store.tables)
+
+    def __call__(self, path: Path) -> Store:
+        store, self._first = self._first, None
+        return store if store is not None else embstore.open(path)
+
+    def close_unused(self) -> None:
+        """Close the store when the server never took it (it stopped before its startup)."""
+        if self._first is not None:
+            self._first.close()
+            self._first = None
 
 
 class _Terminated(Exception):

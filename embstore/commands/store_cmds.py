@@ -6,7 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 import embstore
+from embstore.commands.argtypes import nonneg_int
 from embstore.progress import progress_bar
 from embstore.bulk import export_rows, import_rows
 from embstore.errors import InvalidInputError
@@ -24,24 +27,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Write rows START.. of TABLE from FILE.npy, a float array of shape "
                                    "(n, dim). The whole file is checked (shape, dtype, NaN/inf) before any "
                                    "row is written; the store is flushed at the end.")
-    p.add_argument("store")
-    p.add_argument("table")
+    p.add_argument("store", help="store directory (made with 'embstore create')")
+    p.add_argument("table", help="name of the table to write")
     p.add_argument("file", help=".npy file of float rows, shape (n, dim)")
-    p.add_argument("--start", type=int, default=0, help="first row id to write (default 0)")
+    p.add_argument("--start", type=nonneg_int, default=0, help="first row id to write (default 0)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("export", help="dump the rows of a table to a .npy file",
                        description="Write rows 0..N-1 of TABLE (physical rows, after hashing) to FILE.npy as "
                                    "float32, including never-written rows at their initial values.")
-    p.add_argument("store")
-    p.add_argument("table")
-    p.add_argument("file", help="output .npy file")
-    p.add_argument("--rows", type=int, default=None, help="export only the first N rows (default: all)")
+    p.add_argument("store", help="store directory (made with 'embstore create')")
+    p.add_argument("table", help="name of the table to dump")
+    p.add_argument("file", help="output .npy file (replaced only once complete)")
+    p.add_argument("--rows", type=nonneg_int, default=None, metavar="N",
+                   help="export only the first N rows (default: all)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("stats", help="print a store's tables and per-tier statistics",
                        description="Open the store and print each table's shape, tiers and tier statistics.")
-    p.add_argument("store")
+    p.add_argument("store", help="store directory (made with 'embstore create')")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_stats)
 
@@ -57,10 +61,24 @@ def cmd_create(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     with embstore.open(args.store) as store:
         table = store[args.table]
-        with progress_bar(desc=f"import {table.name}", unit="row", unit_scale=True) as bar:
+        with progress_bar(total=npy_rows(args.file), desc=f"import {table.name}", unit="row",
+                          unit_scale=True) as bar:
             n = import_rows(table, args.file, start=args.start, progress=bar.update)
     print(f"imported {n} rows into {args.table}")
     return 0
+
+
+def npy_rows(path: str) -> int | None:
+    """Rows of a .npy file, from its header: the import's progress total (without it, the progress lines
+    counted rows with no end in sight). None when it cannot be read: ``import_rows`` names the problem."""
+    try:
+        data = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if not isinstance(data, np.ndarray):  # an .npz archive opens as an NpzFile
+        data.close()
+        return None
+    return data.shape[0] if data.ndim else None
 
 
 def check_export_target(store: str, file: str) -> None:
