@@ -233,3 +233,12 @@ def test_import_checks_the_row_format_whole_before_writing(tmp_path, capsys, bad
     assert f"row {bad_row}: rows must fit float16" in err and "nothing imported" in err
     with embstore.open(tmp_path / "s") as s:
         np.testing.assert_array_equal(s["emb"].lookup(np.arange(80_000, dtype=np.int64)), before)
+
+
+def test_help_does_not_import_torch() -> None:
+    """`embstore --help` (and every verb but train/serve work) must not pay torch's ~1.4 s import."""
+    code = ("import sys\nfrom embstore.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"

@@ -601,19 +601,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m embstore.training CONFIG.toml [--resume] [--out DIR]`` (also under torchrun)."""
     import argparse
 
+    from embstore.commands.train_cmds import add_arguments
     from embstore.training.distributed import init_from_env
     p = argparse.ArgumentParser(prog="python -m embstore.training", description="Train a DLRM from one TOML config.")
     add_arguments(p)
     args = p.parse_args(argv)
     return run_from_args(args, init_from_env())
-
-
-def add_arguments(p: Any) -> None:
-    p.add_argument("config", help="TOML with [data], [model], [store] and [schedule]")
-    p.add_argument("--out", default="train_out", help="directory for the store, checkpoints, curves.png "
-                                                      "and metrics.json (default: train_out)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def run_from_args(args: Any, ctx: DistContext = DistContext()) -> int:
@@ -628,5 +621,5 @@ def run_from_args(args: Any, ctx: DistContext = DistContext()) -> int:
 
 
 __all__ = ["Batches", "DataConfig", "ModelConfig", "ScheduleConfig", "StoreSection", "TrainConfig", "TrainResult",
-           "add_arguments", "build_model", "build_store", "latest_checkpoint", "main", "plot_curves", "run_eval",
+           "build_model", "build_store", "latest_checkpoint", "main", "plot_curves", "run_eval",
            "run_from_args", "save_checkpoint", "train"]
