@@ -107,6 +107,23 @@ def test_resume_with_quantised_rows(tmp_path):
     np.testing.assert_array_equal(np.array(resumed.losses), np.array(full.losses))
 
 
+def test_resuming_a_finished_run_says_so_and_trains_nothing(tmp_path, capsys, caplog):
+    from types import SimpleNamespace
+
+    from embstore.training.trainer import run_from_args
+
+    cfg_path = tmp_path / "t.toml"
+    cfg_path.write_text(config_text(batches=3))
+    args = SimpleNamespace(config=str(cfg_path), out=str(tmp_path / "run"), resume=False, progress=False)
+    assert run_from_args(args) == 0
+    assert "trained 3 steps" in capsys.readouterr().out
+    args.resume = True
+    with caplog.at_level("INFO", logger="embstore.training.trainer"):
+        assert run_from_args(args) == 0
+    assert "nothing to train: the run in" in capsys.readouterr().out
+    assert any("resumed from" in r.message and "at step 3" in r.message for r in caplog.records)
+
+
 def test_existing_store_needs_resume(tmp_path):
     cfg = load(tmp_path, batches=2)
     train(cfg, tmp_path / "run", progress=False)

@@ -277,6 +277,7 @@ class TrainResult:
     samples_per_s: float = 0.0
     stopped_early: bool = False
     malformed_lines: int = 0
+    resumed_from: int | None = None  # the checkpoint's step, when the run resumed
 
 
 # --------------------------------------------------------------------------- data
@@ -507,6 +508,9 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
         opt.load_state_dict(state["optimizer"])
         result.step, result.losses = state["step"], list(state["losses"])
         result.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]
+        result.resumed_from = result.step
+        if ctx.is_main:
+            log.info("resumed from %s at step %d", ckpt, result.step)
     elif ctx.enabled:
         broadcast_parameters(model)
 
@@ -516,7 +520,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
         total = min(total, sched.steps)
     ebc = model.sparse_arch.ebc
     stream = data.train(result.step, sched.epochs)
-    bar = _progress(progress and ctx.is_main, total, result.step)
+    bar = _progress(progress and ctx.is_main and result.step < total, total, result.step)
     t0, samples = time.perf_counter(), 0
     exhausted = False
     try:
@@ -615,8 +619,11 @@ def run_from_args(args: Any, ctx: DistContext = DistContext()) -> int:
     if ctx.is_main:
         last = result.evals[-1][1] if result.evals else None
         tail = f"  AUC {last.auc:.4f}  log loss {last.log_loss:.4f}  NE {last.ne:.4f}" if last else ""
-        print(f"trained {result.step} steps, {result.samples_per_s:,.0f} samples/s{tail}; "
-              f"curves in {Path(args.out) / 'curves.png'}")
+        if result.resumed_from is not None and result.step == result.resumed_from:
+            print(f"nothing to train: the run in {args.out} already did its {result.step} steps{tail}")
+        else:
+            print(f"trained {result.step} steps, {result.samples_per_s:,.0f} samples/s{tail}; "
+                  f"curves in {Path(args.out) / 'curves.png'}")
     return 0
 
 
