@@ -358,7 +358,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", f"file {name!r} is not readable (permission denied)") from None
     except UnicodeDecodeError as exc:
         raise ConfigError("config", f"file {name!r} is not UTF-8 text (byte {exc.start}), so not TOML") from None
-    return parse_toml(text)
+    try:
+        return parse_toml(text)
+    except ConfigError as exc:
+        raise ConfigError("config", f"file {name!r}: {exc.reason}") from exc
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ class ConfigError(EmbstoreError, ValueError):
     def __init__(self, key: str, message: str) -> None:
         self.key = key
         self.reason = message  # without the key: a command-line flag's error names the flag instead
-        super().__init__(f"config key {key!r}: {message}")
+        # key "config" is the whole file (missing, unreadable, not TOML): the message names the file
+        super().__init__(message if key == "config" else f"config key {key!r}: {message}")
 
 
 class InvalidInputError(EmbstoreError, ValueError):

@@ -242,3 +242,14 @@ def test_help_does_not_import_torch() -> None:
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("content, says", [(None, "file '{f}' does not exist"),
+                                           ("x = [", "file '{f}': not valid TOML")])
+def test_a_bad_config_file_is_named_not_called_a_config_key(tmp_path, capsys, content, says) -> None:
+    f = tmp_path / "c.toml"
+    if content is not None:
+        f.write_text(content)
+    assert main(["create", str(tmp_path / "s"), "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert says.format(f=f) in err and "config key" not in err, err
