@@ -381,12 +381,12 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
     from_file = not isinstance(config, StoreConfig) and "\n" not in os.fspath(config)
     cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_toml(os.fspath(config))
     if (p / MANIFEST_FILE).exists():
-        raise StoreExistsError(f"{p} already holds a store; open it with embstore.open()")
+        raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
     if (p / CREATING_FILE).exists():  # what a create() that died left: nothing in it was acknowledged
         log.warning("%s holds what an interrupted create() left; removing it to create the store again", p)
         _remove_contents(p, keep_dir=True)
     if (p / CONFIG_FILE).exists():
-        raise StoreExistsError(f"{p} already holds a store; open it with embstore.open()")
+        raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
     if p.exists() and (not p.is_dir() or any(p.iterdir())):
         raise StoreExistsError(f"{p} exists and is not an empty directory")
     created = not p.exists()

@@ -253,3 +253,12 @@ def test_a_bad_config_file_is_named_not_called_a_config_key(tmp_path, capsys, co
     assert main(["create", str(tmp_path / "s"), "--config", str(f)]) == 2
     err = capsys.readouterr().err
     assert says.format(f=f) in err and "config key" not in err, err
+
+
+def test_serve_names_the_token_file_flag(tmp_path, capsys) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[[table]]\nname = "a"\nnum_embeddings = 10\ndim = 4\ntiers = [{ kind = "mmap" }]\n')
+    assert main(["create", str(tmp_path / "s"), "--config", str(cfg)]) == 0
+    assert main(["serve", str(tmp_path / "s"), "--token-file", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert f"--token-file: {tmp_path / 'none'} does not exist" in err and "config key" not in err, err

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import embstore
 from embstore.commands.argtypes import byte_size, nonneg_byte_size, nonneg_seconds, port_number, positive_int
-from embstore.errors import InvalidInputError, StoreNotFoundError
+from embstore.errors import ConfigError, InvalidInputError, StoreNotFoundError
 from embstore.store import MANIFEST_FILE
 
 if TYPE_CHECKING:
@@ -81,7 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     store = Path(args.store)
     if not (store / MANIFEST_FILE).exists():
         raise StoreNotFoundError(f"no embstore store at {store} (missing {MANIFEST_FILE})")
-    token = ServerSettings.read_token(args.token_file) if args.token_file else None
+    try:
+        token = ServerSettings.read_token(args.token_file) if args.token_file else None
+    except ConfigError as exc:  # named as the flag the user typed, not as a settings key
+        raise InvalidInputError(f"--token-file: {exc.reason}") from None
     settings = ServerSettings(store=store, token=token, max_ids=args.max_ids, max_body_bytes=args.max_body_bytes,
                               request_timeout=args.request_timeout, durable_writes=args.durable_writes,
                               flush_interval=args.flush_interval,
