@@ -22,7 +22,18 @@ MAX_EXPORT_ROWS = 1 << 31
 Progress = Callable[[int], None]
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+
+
 def _open_npy(path: str | os.PathLike) -> np.ndarray:
+    try:
+        with open(path, "rb") as f:  # numpy takes any other bytes for a pickle and says so, misleadingly
+            head = f.read(len(_NPY_MAGIC))
+    except IsADirectoryError as exc:
+        raise InvalidInputError(f"{path}: a directory, not a .npy file") from exc
+    if head != _NPY_MAGIC and not head.startswith(b"PK"):  # PK: a zip (.npz), refused below with its own words
+        what = "an empty file" if not head else "no .npy header (numpy.save writes one)"
+        raise InvalidInputError(f"{path}: not a readable .npy array ({what})")
     try:
         data = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:

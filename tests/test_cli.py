@@ -262,3 +262,10 @@ def test_serve_names_the_token_file_flag(tmp_path, capsys) -> None:
     assert main(["serve", str(tmp_path / "s"), "--token-file", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert f"--token-file: {tmp_path / 'none'} does not exist" in err and "config key" not in err, err
+
+
+def test_import_of_bytes_that_are_no_npy_says_so_not_pickle(store_path, tmp_path, capsys) -> None:
+    (tmp_path / "random.npy").write_bytes(bytes(range(7, 107)))
+    assert main(["import", str(store_path), "emb", str(tmp_path / "random.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "no .npy header" in err and "pickle" not in err, err
