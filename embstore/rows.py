@@ -28,6 +28,7 @@ from embstore.errors import InvalidRowsError
 from embstore.kernels import kernel_threads
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_MIN_F32_SPREAD = 255.0 * 2.0**-125  # below this, 1 / (spread / 255) is no finite float32 (subnormal rows)
 _SAFE_SCALE, _SAFE_BIAS = 1e36, 1e37  # int8 rows within these decode in float32: 255 * 1e36 + 1e37 < 3.4e38
 FLOAT16_LIMIT = 65520.0  # the smallest magnitude that float16 rounds to inf (its largest finite value is 65504)
 
@@ -114,13 +115,13 @@ def _encode_int8(rows: np.ndarray, out: np.ndarray) -> None:
             lo = min(lo, v)
             hi = max(hi, v)
         spread = hi - lo
-        if spread < _F32_MAX:  # the common case, in float32
+        if spread < _F32_MAX and (spread == 0 or spread >= _MIN_F32_SPREAD):  # the common case, in float32
             scale = np.float32(spread / 255.0)
             inv = np.float32(1.0 / scale) if scale > 0 else np.float32(0.0)
             for j in range(dim):
                 q = np.float32(np.round((rows[i, j] - lo) * inv))
                 out[i, j] = np.uint8(min(max(q, 0.0), 255.0))
-        else:  # the spread of a finite row overflows float32 (it would be inf): quantize in float64
+        else:  # a spread that overflows float32 (inf), or so small that 1 / scale does: quantize in float64
             scale = np.float32((np.float64(hi) - np.float64(lo)) / 255.0)
             inv64 = 1.0 / np.float64(scale)
             for j in range(dim):
