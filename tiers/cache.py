@@ -25,6 +25,7 @@ import numpy as np
 from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids, check_id_range
 from embstore.config import PolicySpec
 from embstore.errors import StoreClosedError
+from embstore.kernels import scatter_rows
 from embstore.policies import CacheDirectory, DirectDirectory, directory_bytes
 from embstore.tiers.base import Tier
 
@@ -139,6 +140,17 @@ class DRAMTier(CacheTier):
 
     def write_slots(self, slots: np.ndarray, rows: RowBytes) -> None:
         self.slab[slots] = rows
+
+    def overwrite_resident(self, keys: Ids, rows: np.ndarray, distinct: int) -> None:
+        """Write float32 ``rows`` over resident rows ``keys`` in place (a direct-mapped float32 slab), zero
+        their optimizer-state columns and mark them dirty; the last row of a repeated key wins.
+
+        The caller has checked every key is resident (``directory.count_resident``, which also
+        gives ``distinct``, the number of distinct keys) and every row valid: what the hierarchy's
+        write would do here, without its gather, encode copy and split of the rows.
+        """
+        scatter_rows(self.slab.view(np.float32), keys, rows, self.dirty)
+        self.counters.bytes_written += distinct * self.row_bytes
 
 
 class MmapCacheTier(DRAMTier):
