@@ -18,6 +18,10 @@ above forgets the rows its batch inserted (their slots never got their bytes)
 and takes back the dirty rows it evicted, and ``flush`` clears a dirty bit only
 once its row is written down: the error reaches the caller, and no row reads
 wrong or is lost, so a retry (another flush) still makes every write durable.
+A write that fails this way changes no row in the caches: the rows a cache
+cannot keep go down before it overwrites any slot, so a write answered with an
+error is not made durable by a later flush (the home itself may have taken
+part of a batch it failed on).
 """
 
 from __future__ import annotations
@@ -98,12 +102,16 @@ class Hierarchy:
         stays = r.slots >= 0
         stays[stays] &= tier.directory.keys_at(r.slots[stays]) == ids[stays]
         whole = stays.all()  # every row lands (a whole-table cache, a batch that fits): no copies
+        if not whole:  # the rest goes down first: if that fails, this level has changed no row's bytes
+            try:
+                self._write(level + 1, ids[~stays], rows[~stays])
+            except BaseException:
+                self._undo(tier, ids, r)
+                raise
         slots = r.slots if whole else r.slots[stays]
         tier.write_slots(slots, rows if whole else rows[stays])
-        tier.dirty[slots] = True  # before the rest goes down: if that fails, these still get written back
+        tier.dirty[slots] = True
         tier.counters.bytes_written += len(slots) * tier.row_bytes
-        if not whole:
-            self._write(level + 1, ids[~stays], rows[~stays])
 
     def _write_back(self, level: int, tier: CacheTier, ids: Ids, r: AccessResult) -> None:
         """Rows the batch ``ids`` (accessed as ``r``) evicted: write the dirty ones one level down (their
