@@ -21,16 +21,10 @@ import pytest
 
 import embstore
 from embstore.cli import build_parser, main
+from test_cli import store_path  # noqa: F401 - the same small CLI store fixture
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MARKED_BLOCK = re.compile(r"^<!-- example: (\S+) -->\n```(\w+)\n(.*?)^```", re.M | re.S)
-CONFIG = """
-[[table]]
-name = "emb"
-num_embeddings = 300
-dim = 8
-tiers = [{ kind = "dram", capacity = "1KiB", policy = "lru" }, { kind = "ssd" }]
-"""
 
 
 def marked_blocks() -> list[tuple[str, str, str]]:
@@ -51,14 +45,6 @@ def assert_one_line_error(status: int, err: str, verb: str, *words: str) -> None
     assert err.startswith(f"embstore {verb}: error: "), err
     for word in words:
         assert word in err, (word, err)
-
-
-@pytest.fixture()
-def store_path(tmp_path: Path) -> Path:
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(CONFIG)
-    assert main(["create", str(tmp_path / "s"), "--config", str(cfg)]) == 0
-    return tmp_path / "s"
 
 
 # --------------------------------------------------------------------------- the README's Python examples
