@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from faultfs import needs_mount
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import embstore
 from embstore.errors import DiskFullError, TierIOError
@@ -26,8 +26,10 @@ LR = {"sgd": 0.1, "adagrad": 0.1, "rowwise_adagrad": 0.1, "adam": 0.01}
 # gradient history, so a gradient that nearly cancels (its bags summed in another order than torch sums them)
 # can move by a visible share of one step: seed 406 of the test below, with no fault at all, is 1.3e-4 off on
 # one element, on the resident and the cached path alike. A lost or stale update is a whole step (lr 0.01 on
-# rows of ~0.1: ~1e-1), so 1e-3 still catches every fault these tests look for.
-TOL = {"sgd": 1e-5, "adagrad": 1e-5, "rowwise_adagrad": 1e-5, "adam": 1e-3}
+# rows of ~0.1: ~1e-1), so 1e-3 still catches every fault these tests look for. Element-wise Adagrad divides
+# by each element's own accumulated square too: seed 4512 (adagrad, lookahead 1, ratio 10), again without a
+# fault, is 1.5e-5 off on every home; 1e-4 is still three orders below a lost step.
+TOL = {"sgd": 1e-5, "adagrad": 1e-4, "rowwise_adagrad": 1e-5, "adam": 1e-3}
 
 
 def tiers(optimizer: str, cache_rows: int, home: str = "ssd") -> str:
@@ -207,6 +209,7 @@ def _reopen_rows(path: Path, name: str) -> np.ndarray:
 @settings(max_examples=25)
 @given(seed=st.integers(0, 2**16), optimizer=st.sampled_from(list(LR)), lookahead=st.integers(1, 4),
        ratio=st.integers(10, 50))
+@example(seed=4512, optimizer="adagrad", lookahead=1, ratio=10)  # rounding-order noise 1.5e-5 (see TOL)
 def test_tight_cache_training_matches_torch(home, seed, optimizer, lookahead, ratio) -> None:
     """The table 10-50x its DRAM cache, a cache about one batch's distinct rows, hot ids repeated across
     consecutive batches, k batches of look-ahead: every output and, after flush and reopen, every row equals
