@@ -47,6 +47,16 @@ def _open_npy(path: str | os.PathLike) -> np.ndarray:
     return data
 
 
+def npy_rows(path: str | os.PathLike) -> int | None:
+    """Rows of a .npy file, from its header (the total of an import's progress); None when the file
+    cannot be read as one: :func:`import_rows` then names the problem."""
+    try:
+        data = _open_npy(path)
+    except (InvalidInputError, OSError):
+        return None
+    return data.shape[0] if data.ndim else None
+
+
 def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress: Progress | None = None) -> int:
     """Write rows ``start ..`` of ``table`` from a (n, physical dim) float .npy file; returns n."""
     data = _open_npy(path)

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from embstore.atomic import atomic_write
+from embstore.errors import InvalidInputError
 
 __all__ = ["DemoSize", "FULL", "QUICK", "run"]
 
@@ -297,16 +298,13 @@ def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool
     size = QUICK if quick else FULL
     steps = size.steps if steps is None else steps
     if steps < 1:
-        from embstore.errors import InvalidInputError
         raise InvalidInputError(f"steps must be >= 1, got {steps}")
     base = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="embstore-demo-"))
     if base.exists() and not base.is_dir():  # mkdir's own error was a bare '[Errno 17] File exists'
-        from embstore.errors import InvalidInputError
         raise InvalidInputError(f"{base} is a file; give a new folder for the demo's output")
     base.mkdir(parents=True, exist_ok=True)
     run_dir = base / "train"
     if run_dir.exists() or (base / "probe_store").exists():
-        from embstore.errors import InvalidInputError
         raise InvalidInputError(f"{base} already holds a demo run; give a new --out")
     timings: dict[str, float] = {}
     row_bytes = _row_bytes()

@@ -6,12 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
-
 import embstore
 from embstore.commands.argtypes import nonneg_int
 from embstore.progress import progress_bar
-from embstore.bulk import export_rows, import_rows
+from embstore.bulk import export_rows, import_rows, npy_rows
 from embstore.errors import InvalidInputError
 
 
@@ -66,19 +64,6 @@ def cmd_import(args: argparse.Namespace) -> int:
             n = import_rows(table, args.file, start=args.start, progress=bar.update)
     print(f"imported {n} rows into {args.table}")
     return 0
-
-
-def npy_rows(path: str) -> int | None:
-    """Rows of a .npy file, from its header: the import's progress total (without it, the progress lines
-    counted rows with no end in sight). None when it cannot be read: ``import_rows`` names the problem."""
-    try:
-        data = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    if not isinstance(data, np.ndarray):  # an .npz archive opens as an NpzFile
-        data.close()
-        return None
-    return data.shape[0] if data.ndim else None
 
 
 def check_export_target(store: str, file: str) -> None:
