@@ -4,6 +4,7 @@
     rows = store["user_id"].lookup(ids)
 """
 
+import embstore.numba_cache  # noqa: F401  first: numba cache locators must precede every @njit(cache=True)
 from embstore.config import (HashConfig, InitConfig, PolicySpec, RowDType, StoreConfig, TableConfig,
                              TierConfig, TierKind)
 from embstore.errors import (ConfigError, CorruptStoreError, DiskFullError, EmbstoreError, IdOutOfRangeError,
