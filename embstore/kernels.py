@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import numba
 import numpy as np
 
-from embstore.policies import mix64
+from embstore.hash_index import mix64
 from embstore.prefetch import prefetch_cell, prefetch_read
 
 

@@ -1,7 +1,7 @@
 """numba's on-disk kernel cache, keyed on the whole embstore source tree instead of each kernel's own file.
 
 numba stamps a ``cache=True`` function's cache entry with its own source file only, so a kernel that
-calls an ``@njit`` helper from another module (``kernels.py`` -> ``policies.mix64``, ``training/_kernels``
+calls an ``@njit`` helper from another module (``kernels.py`` -> ``hash_index.mix64``, ``training/_kernels``
 -> ``prefetch``) keeps loading machine code with the *old* helper inlined after only the helper's file
 changed: a documented numba limitation, harmless for a wheel install, silent stale kernels in an editable
 checkout after a ``git pull`` or ``checkout`` that touches only the callee. Here the stamp of every

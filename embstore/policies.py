@@ -55,11 +55,10 @@ every policy   index 16, key 8, free list 4, position 4              32
 batch's own outputs at the victim's insertion position, not from a per-slot
 batch stamp: 8 bytes a slot less.)
 
-Session 8 (``BENCHMARKS.md``): the index was a power of two >= 2 x capacity
-of (int64 key, int32 slot) pairs in two arrays, 24-48 bytes a slot; it is now
-exactly 2 x capacity single words, 16 bytes a slot. The policy helpers are
-inlined into the access loop (each call used to pass ten arrays and their
-reference counts): the access kernel got 1.14-1.36x faster at the same time.
+The index is ``embstore.hash_index``'s ``fidx_*``; a tier holding its whole table
+uses ``embstore.direct_directory.DirectDirectory`` instead. Session 8
+(``BENCHMARKS.md``): the policy helpers are inlined into the access loop (each
+call used to pass ten arrays and their reference counts), 1.14-1.36x faster.
 """
 
 from __future__ import annotations
@@ -71,9 +70,9 @@ import numpy as np
 
 from embstore.arrays import Ids
 from embstore.config import PolicyKind, PolicySpec
+from embstore.hash_index import EMPTY, fidx_get, fidx_insert, fidx_remove, fingerprint, fp_home, index_entries, \
+    index_tagging, mix64
 from embstore.prefetch import prefetch_at, prefetch_cell
-
-EMPTY = -1
 LRU, LFU, CLOCK = 0, 1, 2
 _KIND_CODE = {PolicyKind.LRU: LRU, PolicyKind.LFU: LFU, PolicyKind.CLOCK: CLOCK}
 
@@ -88,169 +87,6 @@ SKETCH_MAX = 255
 
 _SK_SEEDS = np.array([0x243F6A8885A308D3, 0x13198A2E03707344, 0x2AC2E2B1C9C9A5F1, 0x6A09E667F3BCC908],
                      dtype=np.uint64)
-
-
-@numba.njit(cache=True, inline="always")
-def mix64(x: np.uint64) -> np.uint64:
-    """splitmix64 finaliser: a strong 64-bit mix for hash-table probing."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-# --- hash index: int64 key -> int32 slot, linear probing, backward-shift delete ---
-
-@numba.njit(cache=True, inline="always")
-def idx_get(tk, tv, key):
-    mask = len(tk) - 1
-    i = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
-    while True:
-        k = tk[i]
-        if k == key:
-            return np.int64(tv[i])
-        if k == EMPTY:
-            return np.int64(-1)
-        i = (i + 1) & mask
-
-
-@numba.njit(cache=True, inline="always")
-def idx_put(tk, tv, key, val):
-    mask = len(tk) - 1
-    i = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
-    while tk[i] != EMPTY and tk[i] != key:
-        i = (i + 1) & mask
-    tk[i] = key
-    tv[i] = val
-
-
-@numba.njit(cache=True, nogil=True)
-def idx_del(tk, tv, key):
-    mask = len(tk) - 1
-    i = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
-    while tk[i] != key:
-        if tk[i] == EMPTY:
-            return
-        i = (i + 1) & mask
-    j = i
-    while True:
-        j = (j + 1) & mask
-        if tk[j] == EMPTY:
-            break
-        h = np.int64(mix64(np.uint64(tk[j])) & np.uint64(mask))
-        if i <= j:
-            stays = i < h <= j
-        else:
-            stays = h > i or h <= j
-        if not stays:
-            tk[i] = tk[j]
-            tv[i] = tv[j]
-            i = j
-    tk[i] = EMPTY
-
-
-
-# --- the cache directory's index: tag + slot in one 8-byte entry ---
-#
-# An entry is ``tag << shift | slot`` (an int64 >= 0; -1 is empty). When every
-# key is known to lie below a limit and its bits and the slot's fit 63 bits, the
-# tag is the key itself ("exact"). Otherwise it is a fingerprint, the top 32
-# bits of ``mix64(key)``, and a match is confirmed against ``slot_key[slot]``.
-# The home position is multiply-shift of the key's fingerprint over any table
-# size, computed from the entry alone when deletion shifts entries back.
-
-INDEX_ENTRIES_PER_SLOT = 2.0  # load factor <= 1/2
-
-
-@numba.njit(cache=True, inline="always")
-def _fingerprint(key):
-    return np.int64(mix64(np.uint64(key)) >> np.uint64(32))
-
-
-@numba.njit(cache=True, inline="always")
-def _fp_home(fp, size):
-    return np.int64((np.uint64(fp) * np.uint64(size)) >> np.uint64(32))
-
-
-@numba.njit(cache=True, inline="always")
-def _tag_home(tag, limit, size):
-    return _fp_home(_fingerprint(tag) if limit > 0 else tag, size)
-
-
-@numba.njit(cache=True, inline="always")
-def fidx_get(ti, slot_key, key, limit, shift):
-    """Slot of ``key`` (-1 if absent). ``limit`` > 0: exact tags, keys below it (others are absent)."""
-    size = ti.shape[0]
-    if limit > 0:
-        if key < 0 or key >= limit:
-            return np.int64(-1)
-        tag = key
-        i = _fp_home(_fingerprint(key), size)
-    else:
-        tag = _fingerprint(key)
-        i = _fp_home(tag, size)
-    smask = (np.int64(1) << shift) - 1
-    while True:
-        e = ti[i]
-        if (e >> shift) == tag:
-            s = e & smask
-            if limit > 0 or slot_key[s] == key:
-                return s
-        if e == EMPTY:
-            return np.int64(-1)
-        i = i + 1 if i + 1 < size else 0
-
-
-@numba.njit(cache=True, inline="always")
-def fidx_insert(ti, key, slot, limit, shift):
-    """Add ``key`` -> ``slot``; the caller knows ``key`` is absent (and below ``limit`` if that is > 0)."""
-    size = ti.shape[0]
-    tag = key if limit > 0 else _fingerprint(key)
-    i = _tag_home(tag, limit, size)
-    while ti[i] != EMPTY:
-        i = i + 1 if i + 1 < size else 0
-    ti[i] = (tag << shift) | slot
-
-
-@numba.njit(cache=True, nogil=True)
-def fidx_remove(ti, key, slot, limit, shift):
-    """Drop the entry ``key`` -> ``slot`` (matched by its whole bits: no key read); backward-shift delete."""
-    size = ti.shape[0]
-    tag = key if limit > 0 else _fingerprint(key)
-    want = (tag << shift) | slot
-    i = _tag_home(tag, limit, size)
-    while ti[i] != want:
-        if ti[i] == EMPTY:
-            return
-        i = i + 1 if i + 1 < size else 0
-    j = i
-    while True:
-        j = j + 1 if j + 1 < size else 0
-        e = ti[j]
-        if e == EMPTY:
-            break
-        h = _tag_home(e >> shift, limit, size)
-        if i <= j:
-            stays = i < h <= j
-        else:
-            stays = h > i or h <= j
-        if not stays:
-            ti[i] = e
-            i = j
-    ti[i] = EMPTY
-
-
-def index_tagging(capacity: int, key_limit: int | None) -> tuple[int, int]:
-    """(limit, shift) of a directory's index entries: exact keys below ``limit`` with the slot in the low
-    ``shift`` bits when both fit 63 bits, else (0, 31): 32-bit fingerprints over 31-bit slots."""
-    shift = max(1, int(capacity - 1).bit_length())
-    if key_limit is not None and 0 < key_limit and int(key_limit - 1).bit_length() + shift <= 63:
-        return int(key_limit), shift
-    return 0, 31
-
-
-def index_entries(capacity: int) -> int:
-    """Entries of a directory's index for ``capacity`` slots."""
-    return max(16, int(capacity * INDEX_ENTRIES_PER_SLOT) + 1)
 
 
 # --- LRU list / LFU buckets / CLOCK bits ---
@@ -478,11 +314,11 @@ def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free,
     n = keys.shape[0]
     for i in range(n):
         if i + _INDEX_AHEAD < n:  # the index outgrows L2 with the cache: ask for a later key's entry now
-            prefetch_at(ti, _fp_home(_fingerprint(keys[i + _INDEX_AHEAD]), size))
+            prefetch_at(ti, fp_home(fingerprint(keys[i + _INDEX_AHEAD]), size))
         if i + _INDEX_AHEAD < n:
             if limit == 0:  # and for the slot key that will confirm a fingerprint match
-                fp = _fingerprint(keys[i + _INDEX_AHEAD])
-                e = ti[_fp_home(fp, size)]
+                fp = fingerprint(keys[i + _INDEX_AHEAD])
+                e = ti[fp_home(fp, size)]
                 if (e >> shift) == fp:
                     prefetch_at(slot_key, e & ((np.int64(1) << shift) - 1))
             if tiny:
@@ -536,7 +372,7 @@ def _lookup_kernel(keys, ti, limit, shift, slot_key, out):
     n = keys.shape[0]
     for i in range(n):
         if i + _INDEX_AHEAD < n:
-            prefetch_at(ti, _fp_home(_fingerprint(keys[i + _INDEX_AHEAD]), size))
+            prefetch_at(ti, fp_home(fingerprint(keys[i + _INDEX_AHEAD]), size))
         out[i] = fidx_get(ti, slot_key, keys[i], limit, shift)
 
 
@@ -681,172 +517,6 @@ class CacheDirectory:
 
     def occupied_slots(self) -> np.ndarray:
         return np.flatnonzero(self.slot_key != EMPTY)
-
-
-class DirectDirectory:
-    """A cache that can hold the whole id space: slot == key, nothing is ever evicted.
-
-    Used when a tier's capacity covers every row of the table (fbgemm does the
-    same when a table fits): no hash probe, no policy bookkeeping.
-    """
-
-    def __init__(self, num_rows: int) -> None:
-        self.capacity = int(num_rows)
-        self.present = np.zeros(num_rows, np.bool_)
-        self._resident = 0
-        self._bits = np.zeros((0, 0), np.uint64)
-
-    @property
-    def full(self) -> bool:
-        """Every row is resident (then no key needs its ``present`` flag checked)."""
-        return self._resident == self.capacity
-
-    def marks(self, threads: int) -> np.ndarray:
-        """Scratch bitmaps for counting distinct keys: one bit per row, a bitmap per thread, shape
-        (threads, words). Kept all zero between calls (the kernels using it clear what they set)."""
-        if self._bits.shape[0] < threads:
-            self._bits = np.zeros((threads, (self.capacity + 63) // 64), np.uint64)
-        return self._bits[:threads]
-
-    def count_resident(self, keys: Ids, threads: int = 1) -> int:
-        """Number of distinct ``keys`` if every one is resident, else -1 (no dedup array needed).
-
-        Keys outside ``[0, capacity)`` also give -1, so a caller may pass ids it
-        has not range-checked and validate them only on the slow path. With
-        ``threads`` > 1 (numba set to as many, ``embstore.kernels.kernel_threads``)
-        each thread marks a share of the keys in a bitmap of its own: 1.11-1.15
-        -> 0.81-0.95 ms for 8 x 82k ids on two cores (BENCHMARKS.md).
-        """
-        marks = self.marks(threads)
-        if threads == 1:
-            return int(_count_resident_serial(keys, self.present, not self.full, marks))
-        return int(_count_resident_parallel(keys, self.present, not self.full, marks))
-
-    @property
-    def nbytes(self) -> int:
-        """The presence flags (a byte per row) and the scratch bitmaps of the distinct count."""
-        return self.present.nbytes + self._bits.nbytes
-
-    @property
-    def resident(self) -> int:
-        return self._resident
-
-    @property
-    def slot_key(self) -> np.ndarray:
-        """Built over the whole table: callers on a hot path use :meth:`keys_at`."""
-        return np.where(self.present, np.arange(self.capacity), EMPTY)
-
-    def keys_at(self, slots: np.ndarray) -> np.ndarray:
-        """The key each of ``slots`` holds (slot == key; EMPTY where the row is absent)."""
-        return np.where(self.present[slots], slots, EMPTY)
-
-    def access(self, keys: Ids) -> AccessResult:
-        hit = self.present[keys]
-        miss = keys[~hit]
-        self.present[miss] = True
-        self._resident += len(miss)
-        empty = np.empty(0, np.int64)
-        return AccessResult(keys.astype(np.int64, copy=True), hit, empty, empty, 0)
-
-    def lookup(self, keys: Ids) -> np.ndarray:
-        return np.where(self.present[keys], keys, -1)
-
-    def remove(self, keys: Ids) -> np.ndarray:
-        out = self.lookup(keys)
-        self._resident -= int((out >= 0).sum())
-        self.present[keys] = False
-        return out
-
-    def occupied_slots(self) -> np.ndarray:
-        return np.flatnonzero(self.present)
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _mark_resident(keys, lo, hi, present, check_present, bits):
-    """Set the bit of each of keys[lo:hi] in ``bits`` (branch-free: repeated keys would mispredict);
-    stops at a key outside ``present`` or, with ``check_present``, not resident. Returns where it
-    stopped (``hi`` when every key is resident)."""
-    size = present.shape[0]
-    for i in range(lo, hi):
-        k = keys[i]
-        if k < 0 or k >= size or (check_present and not present[k]):
-            return i
-        bits[k >> 6] |= np.uint64(1) << np.uint64(k & 63)
-    return hi
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _unmark(keys, lo, hi, bits):
-    """Zero what ``_mark_resident`` set for keys[lo:hi]: the whole bitmap when that is the cheaper
-    pass (a sequential memset against a random access per key)."""
-    if (hi - lo) * 16 >= bits.shape[0]:
-        bits[:] = 0
-    else:
-        for i in range(lo, hi):
-            bits[keys[i] >> 6] = 0
-
-
-@numba.njit(cache=True, nogil=True)
-def _count_resident_serial(keys, present, check_present, bits):
-    """``DirectDirectory.count_resident`` on the calling thread (``bits`` has one row)."""
-    n = keys.shape[0]
-    stop = _mark_resident(keys, 0, n, present, check_present, bits[0])
-    if stop < n:
-        _unmark(keys, 0, stop, bits[0])
-        return -1
-    return _count_and_clear(keys, bits)
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _count_resident_parallel(keys, present, check_present, bits):
-    """``DirectDirectory.count_resident`` with one share of the keys per row of ``bits``."""
-    n = keys.shape[0]
-    parts = bits.shape[0]
-    stops = np.empty(parts, np.int64)
-    for p in numba.prange(parts):
-        stops[p] = _mark_resident(keys, n * p // parts, n * (p + 1) // parts, present, check_present, bits[p])
-    failed = False
-    for p in range(parts):
-        if stops[p] < n * (p + 1) // parts:
-            failed = True
-    if failed:
-        for p in range(parts):
-            _unmark(keys, n * p // parts, stops[p], bits[p])
-        return -1
-    return _count_and_clear(keys, bits)
-
-
-@numba.njit(cache=True, nogil=True)
-def _count_and_clear(keys, bits):
-    """Distinct keys marked in the OR of ``bits``' rows, which are left all zero. Sweeps the whole
-    bitmap when that is cheaper than revisiting the keys' words (a random access each)."""
-    parts, words = bits.shape
-    n = 0
-    if keys.shape[0] * 4 >= words * parts:
-        for w in range(words):
-            m = np.uint64(0)
-            for p in range(parts):
-                m |= bits[p, w]
-                bits[p, w] = 0
-            n += _popcount(m)
-    else:
-        for i in range(keys.shape[0]):
-            w = keys[i] >> 6
-            m = np.uint64(0)
-            for p in range(parts):
-                m |= bits[p, w]
-                bits[p, w] = 0
-            n += _popcount(m)
-    return n
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _popcount(x):
-    """Set bits of a uint64 (the SWAR sum, which LLVM turns into one popcnt)."""
-    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
-    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
-    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
-    return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
 
 
 @numba.njit(cache=True, nogil=True)

@@ -16,11 +16,11 @@ import numpy as np
 
 from embstore.arrays import Ids, as_ids, as_offsets, as_rows, check_id_range
 from embstore.config import RowDType, TableConfig
+from embstore.direct_directory import DirectDirectory
 from embstore.errors import InvalidInputError, StoreClosedError
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import (gather_rows, kernel_threads, pool, pool_rows, rows_finite, unique_inverse,
                               unique_last)
-from embstore.policies import DirectDirectory
 from embstore.tiers.cache import DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
 

@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from embstore.kernels import kernel_threads
+from embstore.direct_directory import DirectDirectory
+from embstore.hash_index import mix64
 from embstore.policies import (M_BMIN, SKETCH_MAX, SKETCH_SAMPLE_PER_SLOT, SKETCH_WIDTH_PER_SLOT, CacheDirectory,
-                               DirectDirectory, directory_bytes, mix64, simulate)
+                               directory_bytes, simulate)
 
 MASK64 = (1 << 64) - 1
 SEEDS = [0x243F6A8885A308D3, 0x13198A2E03707344, 0x2AC2E2B1C9C9A5F1, 0x6A09E667F3BCC908]

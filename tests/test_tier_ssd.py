@@ -794,10 +794,10 @@ def test_forked_child_gets_its_own_ring(tmp_path: Path, engine: str) -> None:
 def test_disk_and_directory_kernels_release_the_gil() -> None:
     """A look-ahead thread spends its time in these kernels (waiting on the disk, walking the cache
     directory); holding the GIL there stalled the training thread (BENCHMARKS.md, DLRM)."""
-    from embstore import policies
+    from embstore import direct_directory, policies
     from embstore.tiers import io_engine
 
     kernels = [io_engine._uring_kernel, io_engine._pio_kernel, policies._access_kernel, policies._lookup_kernel,
-               policies._remove_kernel, policies._count_resident_serial,
-               policies._count_resident_parallel]
+               policies._remove_kernel, direct_directory._count_resident_serial,
+               direct_directory._count_resident_parallel]
     assert [k.py_func.__name__ for k in kernels if not k.targetoptions.get("nogil")] == []

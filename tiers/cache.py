@@ -5,7 +5,7 @@
 slab in a file mapping: MTrainS's byte-addressable SCM as a cache) differ only
 in where the slab lives; slot bookkeeping, dirty bits and the eviction policy
 are shared. A tier whose capacity covers the whole table gets a
-:class:`~embstore.policies.DirectDirectory` (slot == row id, no eviction).
+:class:`~embstore.direct_directory.DirectDirectory` (slot == row id, no eviction).
 
 The hierarchy drives a cache tier through ``directory.access`` plus
 ``read_slots``/``write_slots`` and the ``dirty`` bits; the plain
@@ -24,9 +24,10 @@ import numpy as np
 
 from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids, check_id_range
 from embstore.config import PolicySpec
+from embstore.direct_directory import DirectDirectory
 from embstore.errors import StoreClosedError
 from embstore.kernels import scatter_rows
-from embstore.policies import CacheDirectory, DirectDirectory, directory_bytes
+from embstore.policies import CacheDirectory, directory_bytes
 from embstore.tiers.base import Tier
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from embstore.policies import EMPTY, idx_del, idx_get, idx_put
+from embstore.hash_index import EMPTY, idx_del, idx_get, idx_put
 
 
 @numba.njit(cache=True, nogil=True)
