@@ -17,7 +17,9 @@ A level below can fail (the home's disk is full or returns EIO). Then the level
 above forgets the rows its batch inserted (their slots never got their bytes)
 and takes back the dirty rows it evicted, and ``flush`` clears a dirty bit only
 once its row is written down: the error reaches the caller, and no row reads
-wrong or is lost, so a retry (another flush) still makes every write durable.
+wrong or is lost, so a retry (another flush) still makes every write durable;
+but not after a failed data sync of the home, which is final (the home refuses
+until the store is reopened and its write-ahead log replayed: ``tiers/ssd.py``).
 A write that fails this way changes no row in the caches: the rows a cache
 cannot keep go down before it overwrites any slot, so a write answered with an
 error is not made durable by a later flush (the home itself may have taken

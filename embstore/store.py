@@ -222,10 +222,10 @@ class Store:
         concurrent callers' writes (group commit), run outside the store's lock."""
         self._check_open()
         with self._wal_lock:
-            fd = self._wal.sync_handle()
+            fd, seq = self._wal.sync_handle()
         if fd >= 0:
             try:
-                self._wal.sync(fd)
+                self._wal.sync(fd, seq)
             finally:
                 os.close(fd)
 

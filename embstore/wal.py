@@ -130,7 +130,7 @@ class WriteAheadLog:
         self._seq = int(existing[-1].stem) + 1 if existing else 1
         self._fd = -1
         self._torn_seq: int | None = None  # a segment left with a partial record that could not be cut off
-        self._unsynced_seq: int | None = None  # a segment whose sync failed in retract(): see there
+        self._unsynced_seq: int | None = None  # a segment whose sync failed: see _sync_failed
         self._last_start = -1  # where the current segment's last appended record begins
 
     def _segment(self, seq: int) -> Path:
@@ -188,30 +188,47 @@ class WriteAheadLog:
         try:
             os.fdatasync(self._fd)
         except OSError as exc:
-            self._unsynced_seq = self._seq
+            self._sync_failed(self._seq)
             log.error("write-ahead log %s: sync failed after cutting off the record of a failed write (%s); "
                       "writes are acknowledged by a flush until one retires the segment", self._segment(self._seq),
                       exc)
 
-    def sync(self, fd: int) -> None:
-        """``fdatasync(fd)`` (a :meth:`sync_handle`), a failure raised as a ``TierIOError``."""
+    def _sync_failed(self, seq: int) -> None:
+        """Segment ``seq`` lost pages to a failed sync. The kernel reported that once and marked them
+        clean, so a later sync would "succeed" without them, and replay would stop at the hole, hiding
+        every record after it: no log sync is allowed (writes are acknowledged by a flush) until a flush
+        has retired the segment. It stays the current segment meanwhile (see :meth:`seal`), so that the
+        hole is only ever a torn tail to replay, never damage before a later segment."""
+        self._unsynced_seq = seq if self._unsynced_seq is None else min(seq, self._unsynced_seq)
+
+    def sync(self, fd: int, seq: int | None = None) -> None:
+        """``fdatasync(fd)`` (a :meth:`sync_handle` of segment ``seq``), a failure raised as a
+        ``TierIOError`` and remembered (:meth:`_sync_failed`)."""
         try:
             os.fdatasync(fd)
         except OSError as exc:
+            self._sync_failed(self._seq if seq is None else seq)
             raise tier_io_error("write-ahead log", "sync", exc) from exc
 
-    def sync_handle(self) -> int:
-        """A duplicate of the current segment's descriptor (-1 when none is open): the caller may
-        ``fdatasync`` and close it outside the store's lock, while appends and seals go on."""
-        if self._unsynced_seq is not None and self._unsynced_seq == self._seq:
+    def sync_handle(self) -> tuple[int, int]:
+        """(a duplicate of the current segment's descriptor, or -1 when none is open; its sequence
+        number): the caller may ``fdatasync`` and close it outside the store's lock, while appends and
+        seals go on."""
+        if self._unsynced_seq is not None:
             raise TierIOError("write-ahead log", "sync", errno.EIO,
-                              f"an earlier sync of {self._segment(self._seq)} failed; a flush must retire it")
-        return os.dup(self._fd) if self._fd >= 0 else -1
+                              f"an earlier sync of {self._segment(self._unsynced_seq)} failed; a flush must "
+                              "retire it")
+        return (os.dup(self._fd) if self._fd >= 0 else -1), self._seq
 
     def seal(self) -> int:
         """Sync and close the current segment; later appends go to a new one. Returns the first
-        sequence number not sealed: segments below it may go once the store is flushed."""
+        sequence number not sealed: segments below it may go once the store is flushed.
+
+        A segment whose sync failed is not synced again (that would lie) and stays open: the flush
+        after the seal covers its records, and :meth:`drop_before` retires it with the sealed ones."""
         if self._fd >= 0:
+            if self._unsynced_seq == self._seq:
+                return self._seq + 1
             self.sync(self._fd)
             os.close(self._fd)
             self._fd = -1
@@ -221,6 +238,10 @@ class WriteAheadLog:
 
     def drop_before(self, seq: int) -> None:
         """Delete the sealed segments below ``seq`` (their writes are in the flushed tables)."""
+        if self._fd >= 0 and self._seq < seq:  # the current segment, whose sync failed (see seal): covered too
+            self.close()
+            self._seq = seq
+            self._last_start = -1
         gone = [p for p in _segments(self.directory) if int(p.stem) < seq]
         for p in gone:
             p.unlink()

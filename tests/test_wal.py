@@ -318,3 +318,80 @@ def test_a_failed_sync_of_the_cut_refuses_log_syncs_until_a_flush(store_path, mo
         s.update_logged("t", np.array([3]), rows_of(3.0))
         s.sync_log()  # a new segment syncs again
         np.testing.assert_array_equal(s["t"].lookup(np.array([1, 3]))[:, 0], [1.0, 3.0])
+
+
+class LosingSync:
+    """``os.fdatasync`` that fails once, after putting back zeros where the bytes written since the
+    file's last good sync were (what a failed writeback leaves once the kernel drops the pages it marked
+    clean); every other call is real. The EIO cannot be aimed at one log sync for real."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.calls, self.fail_at = 0, fail_at
+        self.synced: dict[str, int] = {}
+        self.real = os.fdatasync
+
+    def __call__(self, fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        self.calls += 1
+        if self.calls == self.fail_at:
+            good, size = self.synced.get(path, 0), os.fstat(fd).st_size
+            with open(path, "r+b") as f:
+                f.seek(good)
+                f.write(b"\0" * (size - good))
+            raise OSError(errno.EIO, "Input/output error")
+        self.real(fd)
+        self.synced[path] = os.fstat(fd).st_size
+
+
+def test_a_failed_log_sync_is_not_retried(store_path, monkeypatch) -> None:
+    """A retried sync would "succeed" without the lost pages, acknowledging a write that replay cannot
+    reach (it stops at the hole): sync_log refuses until a flush has made the writes durable instead."""
+    with embstore.open(store_path) as s:
+        monkeypatch.setattr(os, "fdatasync", LosingSync(fail_at=2))
+        s.update_logged("t", np.array([1]), rows_of(1.0))
+        s.sync_log()
+        s.update_logged("t", np.array([2]), rows_of(2.0))
+        with pytest.raises(embstore.TierIOError, match="Input/output error"):
+            s.sync_log()
+        s.update_logged("t", np.array([3]), rows_of(3.0))
+        with pytest.raises(embstore.TierIOError, match="an earlier sync .* failed; a flush must retire it"):
+            s.sync_log()
+        shutil.copytree(store_path, store_path.parent / "crash")  # a crash now loses only unacknowledged rows
+        s.flush()  # acknowledges 2 and 3 (the tables' own syncs) and retires the damaged segment
+        s.update_logged("t", np.array([4]), rows_of(4.0))
+        s.sync_log()  # a fresh segment syncs again
+        shutil.copytree(store_path, store_path.parent / "crash2")
+    with embstore.open(store_path.parent / "crash") as c:
+        assert c["t"].lookup(np.array([1]))[0, 0] == 1.0
+    with embstore.open(store_path.parent / "crash2") as c:
+        np.testing.assert_array_equal(c["t"].lookup(np.array([1, 2, 3, 4]))[:, 0], [1.0, 2.0, 3.0, 4.0])
+
+
+def test_a_failed_seal_leaves_a_log_that_replays_after_a_failed_flush(store_path, monkeypatch) -> None:
+    """A flush whose seal fails, then one whose tables fail to flush: the damaged segment must stay the
+    last one (a torn tail to replay), not be followed by a new segment, which would make the hole damage
+    that refuses the store's next open (and later writes must not be acknowledged through the log)."""
+    with embstore.open(store_path) as s:
+        monkeypatch.setattr(os, "fdatasync", LosingSync(fail_at=2))
+        s.update_logged("t", np.array([1]), rows_of(1.0))
+        s.sync_log()
+        s.update_logged("t", np.array([2]), rows_of(2.0))
+        with pytest.raises(embstore.TierIOError):
+            s.flush()  # the seal's sync fails
+        monkeypatch.undo()
+
+        def disk_fails() -> None:
+            raise embstore.TierIOError("ssd", "flush", errno.EIO)
+
+        monkeypatch.setattr(s["t"], "flush", disk_fails)
+        with pytest.raises(embstore.TierIOError):
+            s.flush()
+        s.update_logged("t", np.array([3]), rows_of(3.0))
+        with pytest.raises(embstore.TierIOError, match="a flush must retire it"):
+            s.sync_log()
+        shutil.copytree(store_path, store_path.parent / "crash")
+        monkeypatch.undo()
+    with embstore.open(store_path.parent / "crash") as c:  # opens: the hole is the last segment's tail
+        assert c["t"].lookup(np.array([1]))[0, 0] == 1.0
+    with embstore.open(store_path) as s:  # the clean close flushed everything
+        np.testing.assert_array_equal(s["t"].lookup(np.array([1, 2, 3]))[:, 0], [1.0, 2.0, 3.0])

@@ -17,11 +17,13 @@ deduplicates first); tiers may rely on it.
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, asdict
 
 import numpy as np
 
 from embstore.arrays import Ids, Mask, RowBytes
+from embstore.errors import TierIOError, tier_io_error
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,37 @@ def close_all(items: "list") -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+class SyncGuard:
+    """Remembers that a sync of a tier's rows (fdatasync, msync) failed, and refuses what would build on it.
+
+    Linux reports a failed writeback once and marks the pages it could not write clean, so a retried
+    sync succeeds although the rows never reached the disk (PostgreSQL's "fsyncgate", 2018). A tier
+    whose data sync failed therefore never syncs or commits again: its flushes, writes and close raise
+    until the store is reopened, which finds the last good commit (and replays the write-ahead log).
+    """
+
+    _CURE = ("rows written since the last good flush may be lost on disk, and a retried sync would not say "
+             "so; close the store and reopen it (with the write-ahead log on, the reopen replays them)")
+
+    def __init__(self, tier: str, path: os.PathLike[str] | str) -> None:
+        self.tier, self.path = tier, path
+        self.failure: TierIOError | None = None
+
+    def failed(self, operation: str, exc: OSError) -> TierIOError:
+        """Record the failed sync ``exc``; returns the error to raise (typed by its errno, with the cure)."""
+        err = tier_io_error(self.tier, operation, exc)
+        detail = f"{exc.strerror or exc}; {self._CURE}"
+        self.failure = type(err)(self.tier, operation, err.errno, detail)
+        return self.failure
+
+    def check(self, operation: str) -> None:
+        """Raise, for ``operation``, if a sync has failed (the earlier failure's type and errno)."""
+        first = self.failure
+        if first is not None:
+            raise type(first)(self.tier, operation, first.errno,
+                              f"an earlier sync of {self.path} failed; {self._CURE}")
 
 
 class Tier(abc.ABC):

@@ -41,9 +41,18 @@ Why:
   so the no-tear promise covers a killed process, not a power cut: after a power
   cut or an EIO, a row *overwritten* since the last flush may be half written
   when both its writeback and its journal record were lost. Rows committed by
-  the last flush and not overwritten since are always intact. An EIO from msync
-  or the bitmap write is raised as :class:`TierIOError` and the last committed
-  bitmap stays in force: close, repair the disk, reopen.
+  the last flush and not overwritten since are always intact.
+- **A failed msync is final**: Linux reports a failed writeback once and marks
+  the pages it could not write clean, so a retried msync succeeds without them
+  (PostgreSQL's "fsyncgate", 2018). So the tier never commits again: every
+  later flush, put, delete and close raises :class:`TierIOError` (with the
+  failure's errno) saying so, close still unmaps, and the last committed
+  bitmap and the journal stay on disk. Reopening (after repairing the disk)
+  redoes the journal's records; rows whose journal pages were lost too come
+  back from the store's write-ahead log (durable writes). Reads keep working
+  meanwhile, but a row written since the last good flush may read as older
+  bytes once the kernel drops the clean pages. A failed bitmap commit after a
+  good msync is not final: the next flush writes it again, whole.
 - One process, one thread: a ``LOCK`` file (flock) keeps a second tier off the
   directory; calls on one tier are not synchronised.
 """
@@ -68,7 +77,7 @@ from embstore.errors import (
     TierIOError,
     tier_io_error,
 )
-from embstore.tiers.base import Tier
+from embstore.tiers.base import SyncGuard, Tier
 
 ROWS_FILE = "rows.bin"
 BITMAP_FILE = "present.bin"
@@ -127,6 +136,7 @@ class MmapTier(Tier):
         self.num_rows = int(num_rows)
         self.path = Path(directory)
         self._size = self.num_rows * self.row_bytes
+        self._sync = SyncGuard("mmap", self.path / ROWS_FILE)  # a failed msync is never retried
         self._generation = 0
         self._dirty = False
         self._journal_fd = self._lock_fd = -1
@@ -356,6 +366,7 @@ class MmapTier(Tier):
         """Journal the batch, then scatter it into the mapping."""
         arr = self._ids(ids)
         self._check_rows(arr, rows)
+        self._sync.check("write")
         if not len(arr):
             return
         rows = np.ascontiguousarray(rows)
@@ -370,6 +381,7 @@ class MmapTier(Tier):
     def delete(self, ids: Ids) -> None:
         """Mark rows absent (their bytes stay until overwritten; reads mask them)."""
         arr = self._ids(ids)
+        self._sync.check("delete")
         if not len(arr):
             return
         self._append(_DELETE, arr, None)
@@ -380,7 +392,7 @@ class MmapTier(Tier):
 
     def _maybe_flush(self) -> None:
         """Bound the journal. A failure here is not the put's: the put is journaled and
-        applied, so it is not raised; the next explicit flush() (or append) reports it."""
+        applied, so it is not raised; the next explicit flush() (or write) reports it."""
         if self._journal_size > JOURNAL_LIMIT:
             try:
                 self.flush()
@@ -388,24 +400,28 @@ class MmapTier(Tier):
                 pass
 
     def flush(self) -> None:
-        """msync the rows, then commit the bitmap atomically; the journal is then retired."""
+        """msync the rows, then commit the bitmap atomically; the journal is then retired. A failed
+        msync is final (see Limits in the module docstring); a failed commit is retried by the next flush."""
         if self.closed:
             raise StoreClosedError(f"mmap tier at {self.path} is closed")
+        self._sync.check("flush")
         if not self._dirty:
             return
         try:
             self._mmap.flush()
         except OSError as exc:
-            raise tier_io_error("mmap", "msync", exc) from exc
+            raise self._sync.failed("msync", exc) from exc
         self._write_bitmap(self._present, self._generation + 1)
         self._dirty = False
         self._truncate_journal()
 
     def close(self) -> None:
-        """Flush and unmap (idempotent); the mapping is released even when the flush fails."""
+        """Flush and unmap (idempotent); the mapping is released even when the flush fails. After a
+        failed msync nothing is committed and close raises: the journal stays for the reopen to redo."""
         if self.closed:
             return
         try:
+            self._sync.check("close")
             self.flush()
         finally:
             self.closed = True

@@ -47,6 +47,20 @@ write is a single request, so it is either the old or the new version, never tor
 put after the last flush read as absent if they were new. (The buffered
 fallback cannot promise untorn rows wider than a page; a crash mid-copy may
 leave such a row half written.)
+
+A failed fdatasync of the slab is final. Linux reports a failed writeback
+once and marks the pages it could not write clean, so a retried fdatasync
+succeeds without them (PostgreSQL's "fsyncgate", 2018; a failed flush of
+the device's cache under O_DIRECT is no better). So the tier never syncs or
+commits again: every later flush, put, delete and close raises
+:class:`TierIOError` (with the failure's errno) saying so, close still
+releases the files, and the last good commit stands on disk. Reopening the
+store reads that commit back, and its write-ahead log (durable writes)
+replays the rows written since. Reads keep working meanwhile, but a row
+written since the last good flush may read as older bytes once the kernel
+drops the clean pages. A failed commit after a good fdatasync (a delta
+append, a present.bin rewrite) is not final: the next flush rewrites the
+index into a new file, relying on no page whose sync failed.
 """
 
 from __future__ import annotations
@@ -66,7 +80,7 @@ from numba import njit
 from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids, check_id_range
 from embstore.errors import (CorruptStoreError, InvalidRowsError, StoreClosedError,
                              TierIOError, tier_io_error)
-from embstore.tiers.base import Tier
+from embstore.tiers.base import SyncGuard, Tier
 from embstore.tiers.delta import RECORD_HEADER, encode_record, read_records
 from embstore.tiers.io_engine import Engine, log_once
 
@@ -240,6 +254,7 @@ class SSDTier(Tier):
         self._chunk_blocks = max(1, CHUNK_BYTES // self.block_bytes)
         self._run_blocks = max(1, RUN_BYTES // self.block_bytes)
         self._lock = threading.RLock()
+        self._sync = SyncGuard("ssd", self.path / SLAB_FILE)  # a failed fdatasync of the slab is never retried
         self._fd = -1
         self._engine: Engine | None = None
         self._buf: np.ndarray | None = None
@@ -572,6 +587,7 @@ class SSDTier(Tier):
     def put(self, ids: Ids, rows: RowBytes) -> None:
         with self._lock:
             self._check_open()
+            self._sync.check("write")
             ids = self._ids(ids)
             self._check_rows(ids, rows)
             if len(ids):
@@ -643,33 +659,42 @@ class SSDTier(Tier):
         """Mark rows absent (durable at the next flush); their bytes stay in the slab, unread."""
         with self._lock:
             self._check_open()
+            self._sync.check("delete")
             ids = self._ids(ids)
             if len(ids):
                 self._mark(ids, False)
 
     def flush(self) -> None:
+        """fdatasync the slab, then commit the index. A failed fdatasync is final (see the module
+        docstring); a failed commit is retried by the next flush, which rewrites the index file whole."""
         with self._lock:
             self._check_open()
-            try:
-                if self._dirty_slab:
+            self._sync.check("flush")
+            if self._dirty_slab:
+                try:
                     _fdatasync(self._fd)
-                    self._dirty_slab = False
-                if self._dirty_bits:
+                except OSError as exc:
+                    raise self._sync.failed("flush", exc) from exc
+                self._dirty_slab = False
+            if self._dirty_bits:
+                try:
                     self._write_index()
-                    self._dirty_bits = False
-            except OSError as exc:
-                raise tier_io_error("ssd", "flush", exc) from exc
+                except OSError as exc:
+                    raise tier_io_error("ssd", "flush", exc) from exc
+                self._dirty_bits = False
 
     def close(self) -> None:
         """Flush with the delta records folded into the index file (a tier closed cleanly is one index
-        file), then release the files and the ring (released even when the flush fails)."""
+        file), then release the files and the ring (released even when the flush fails). After a failed
+        fdatasync nothing is committed and close raises: the last good commit stands."""
         with self._lock:
             if self.closed:
                 return
-            if self._delta_bytes or self._dirty_bits:
-                self._base_crc = None
-                self._dirty_bits = True
             try:
+                self._sync.check("close")
+                if self._delta_bytes or self._dirty_bits:
+                    self._base_crc = None
+                    self._dirty_bits = True
                 if self._engine is not None:
                     self.flush()
             finally:

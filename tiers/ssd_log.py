@@ -41,7 +41,11 @@ is corruption (the framing and this fold are shared with the in-place layout's
 ``present.delta``, in ``tiers/ssd.py``). After a SIGKILL, every row reads as of the
 last flush and is never torn: its block was written whole, and made durable,
 before a committed map pointed at it. Rows written after the last flush read
-as their flushed version (or as absent if they were new).
+as their flushed version (or as absent if they were new). A failed fdatasync
+of the slab is final, as in the in-place layout (``tiers/ssd.py``): the tier
+then refuses flushes (also those a put runs to free blocks), writes and a
+clean close until it is reopened; the committed map never points at the
+blocks whose writeback failed.
 """
 
 from __future__ import annotations
@@ -298,6 +302,7 @@ class LogSSDTier(SSDTier):
         """Mark rows absent (durable at the next flush); their slots are reclaimed like overwritten ones."""
         with self._lock:
             self._check_open()
+            self._sync.check("delete")
             ids = self._ids(ids)
             if len(ids):
                 delta, emptied = _repoint(self._slot_of, self._live, ids, np.full(len(ids), -1, np.int64),
