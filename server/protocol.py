@@ -145,22 +145,29 @@ def _quality(params: list[str]) -> float:
     return 1.0
 
 
+def _quality_of(ranges: dict[str, float], media: str) -> float:
+    """The ``q`` of ``media``: that of its most specific listed range (RFC 9110: ``type/sub``, then
+    ``type/*``, then ``*/*``), 0 when none matches."""
+    for key in (media, media.split("/")[0] + "/*", "*/*"):
+        if key in ranges:
+            return ranges[key]
+    return 0.0
+
+
 def wants_binary(request: Request) -> bool:
     """Whether ``Accept`` asks for binary rows: ``application/octet-stream`` listed with ``q > 0`` and
-    not below ``application/json`` (RFC 9110 quality values; a tie picks binary; wildcards and no
-    ``Accept`` give JSON)."""
+    not below ``application/json`` (RFC 9110 quality values, where ``*/*`` and ``application/*`` rank
+    JSON too; a tie picks binary; wildcards alone and no ``Accept`` give JSON)."""
     accept = request.headers.get("accept", "").lower()
     if BINARY not in accept:  # the common cases cost one substring test
         return False
-    q_bin = q_json = 0.0
+    ranges: dict[str, float] = {}
     for item in accept.split(","):
         media, *params = item.split(";")
         media = media.strip()
-        if media == BINARY:
-            q_bin = max(q_bin, _quality(params))
-        elif media == "application/json":
-            q_json = max(q_json, _quality(params))
-    return q_bin > 0 and q_bin >= q_json
+        ranges[media] = max(ranges.get(media, 0.0), _quality(params))
+    q_bin = _quality_of(ranges, BINARY)
+    return q_bin > 0 and q_bin >= _quality_of(ranges, "application/json")
 
 
 def _check_count(n: int, max_ids: int, what: str = "ids") -> None:
