@@ -128,6 +128,11 @@ class DataConfig:
                 raise ConfigError(f"data.{key}", f"must be >= 0, got {getattr(self, key)}")
         if self.zipf_alpha < 0:
             raise ConfigError("data.zipf_alpha", f"must be >= 0, got {self.zipf_alpha}")
+        if self.kind == "synthetic":  # checked here, not by SyntheticClicks later, so the error names the key
+            if self.bag_max < 1:
+                raise ConfigError("data.bag_max", f"must be >= 1 (ids per bag), got {self.bag_max}")
+            if self.bag_min > self.bag_max:
+                raise ConfigError("data.bag_min", f"must be <= bag_max ({self.bag_max}), got {self.bag_min}")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.id_space):
             raise ConfigError("data.id_space", f"must list positive integers, got {list(self.id_space)}")
         for key in ("train_paths", "eval_paths"):
