@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import gc
 import hmac
-import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -226,7 +225,8 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
             dense, ids, offsets = await parse(protocol.parse_predict, body, settings.max_ids, spec.tables,
                                               spec.dense_in_features)
             scores = await model.predict(dense, ids, offsets)
-        text = json.dumps({"scores": scores.astype(np.float64).tolist()}, separators=(",", ":"))
+        text = protocol.json_text({"scores": scores.astype(np.float64).tolist()}, scores,
+                                  "the model's scores overflowed; check the scale of the dense features")
         return Response(text, media_type="application/json")
 
     @app.post("/v1/admin/reload", responses={401: {"description": "missing or wrong token"},

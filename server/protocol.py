@@ -303,13 +303,22 @@ def check_mode(mode: str) -> str:
 
 
 # --- answers ----------------------------------------------------------------------------
+def json_text(body: dict, values: np.ndarray, problem: str) -> str:
+    """``body`` as strict JSON, which has no Infinity or NaN: ``values`` (the numbers in it) holding one
+    is a 422 naming ``problem``, not an answer that strict parsers (JavaScript's ``JSON.parse``) reject."""
+    if not np.isfinite(values).all():
+        raise ApiError(422, f"the answer holds values that are not finite, which JSON cannot carry: {problem}")
+    return json.dumps(body, separators=(",", ":"), allow_nan=False)
+
+
 def rows_response(rows: np.ndarray, binary: bool) -> Response:
     """``rows`` (n, dim) float32 as a binary or JSON answer."""
     n, dim = rows.shape
     if binary:
         return Response(np.ascontiguousarray(rows, dtype="<f4").tobytes(), media_type=BINARY,
                         headers={SHAPE_HEADER: f"{n},{dim}"})
-    text = json.dumps({"dim": dim, "embeddings": rows.tolist()}, separators=(",", ":"))
+    text = json_text({"dim": dim, "embeddings": rows.tolist()}, rows,
+                     "a pooled sum overflowed float32; ask for Accept: application/octet-stream (raw float32)")
     return Response(text, media_type="application/json")
 
 

@@ -211,6 +211,18 @@ def test_nan_and_infinity_literals_are_422(server, trained):
         assert "row 1 holds NaN" in resp.json()["detail"]
 
 
+def test_dense_features_that_overflow_the_model_are_422_not_invalid_json(server, trained):
+    """Finite but huge dense values (3e38) overflow the bottom MLP to NaN scores; JSON cannot carry NaN,
+    so the answer is a 422 naming the cause, parsed here by a strict parser."""
+    http, _ = server
+    b = _ok_body(trained[3])
+    b["dense"] = [[3e38] * len(row) for row in b["dense"]]
+    resp = http.post("/v1/models/dlrm/predict", json=b)
+    assert resp.status_code == 422, resp.text
+    detail = json.loads(resp.text, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))["detail"]
+    assert "not finite" in detail and "dense features" in detail
+
+
 def test_unknown_model_404_lists_the_known_ones(server, trained):
     _, client = server
     with pytest.raises(ServerError) as err:

@@ -292,6 +292,22 @@ def test_request_timeout_is_504(tmp_path):
         assert resp.status_code == 504 and "timed out" in resp.json()["detail"]
 
 
+def test_a_json_answer_never_carries_infinity(tmp_path):
+    """Finite rows can pool to inf (two rows of 3e38). JSON has no Infinity: the JSON answer is a 422
+    that says so and names the binary protocol, which carries the float32 inf as it is."""
+    cfg = StoreConfig((TableConfig("big", 4, 2, tiers=(TierConfig("dram", 4 * 2 * 4), TierConfig("mmap"))),))
+    with embstore.create(tmp_path / "s", cfg) as store:
+        store["big"].update(np.arange(2), np.full((2, 2), 3e38, np.float32))
+    with ServerThread(create_app(ServerSettings(store=tmp_path / "s"))) as srv, \
+            httpx.Client(base_url=srv.url) as client:
+        assert (rows_of(client.post("/v1/tables/big/lookup", json={"ids": [0, 1]})) == np.float32(3e38)).all()
+        resp = client.post("/v1/tables/big/pooled", json={"ids": [0, 1], "offsets": [0, 2]})
+        assert resp.status_code == 422, resp.text
+        detail = json.loads(resp.text, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))["detail"]
+        assert "not finite" in detail and "octet-stream" in detail
+        assert np.isposinf(rows_of(post_bin(client, "/v1/tables/big/pooled", np.array([0, 2, 0, 1]), num_bags=1))).all()
+
+
 # --- pooled cache ---------------------------------------------------------------------------------
 def test_pooled_cache_serves_repeats_and_sees_updates(tmp_path):
     expected = make_store(tmp_path / "s")
