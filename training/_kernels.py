@@ -14,11 +14,31 @@ from embstore.prefetch import PREFETCH_DISTANCE, prefetch_cell
 # Let LLVM reorder float sums: the row-wise mean of squared gradients is then a
 # vectorised reduction instead of a 64-add dependency chain per row (6.7x on
 # the fused step here); results stay within float tolerance of torch's.
-_FAST = {"reassoc", "contract"}
+_FAST = {"reassoc", "contract"}  # no "nnan"/"ninf"/"nsz": ``_apply_row``'s x * 0 check must not fold to 0
+
+# A finite float32 x minus any y with |y| < 2**103 (half an ulp of the top binade) cannot round to inf, even
+# fused into one FMA; 1e30 leaves a wide margin for the rounding of the bound itself.
+_SAFE_STEP = np.float32(1e30)
+
+
+def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, parts) -> int:
+    """``_step_rows``; returns how many rows it left as they were because their step overflowed."""
+    skipped = np.zeros(parts, np.int64)
+    _step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, parts, skipped)
+    return int(skipped.sum())
+
+
+def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, eps, b1, b2, wd, global_step,
+                   parts) -> int:
+    """``_fused_bag_step``; returns how many rows it left as they were because their step overflowed."""
+    skipped = np.zeros(parts, np.int64)
+    _fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, eps, b1, b2, wd, global_step,
+                    parts, skipped)
+    return int(skipped.sum())
 
 
 @numba.njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, parts):
+def _step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, parts, skipped):
     """Apply optimizer ``kind`` (0 sgd, 1 rowwise_adagrad, 2 adagrad, 3 adam) to rows[slots] in place.
 
     ``rows`` may be wider than the gradient (a contiguous slab with the state
@@ -26,9 +46,13 @@ def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, par
     ``parts``: how many slices run in parallel (the thread count
     ``embstore.kernels.kernel_threads`` set for the call; passed in because
     asking numba inside a kernel defeats its cache).
+    ``skipped[p]`` (zeros, one per part) counts the rows part ``p`` left as they were because their step
+    overflowed (see ``_apply_row``); an output argument, not a return value: returning the count from
+    the kernel made it about 2x slower here (numba's parallel loop).
     """
     dim = g.shape[1]
     scratch = np.zeros((parts, dim), np.float32)
+    new = np.empty((parts, 2 * dim), np.float32)
     chunk = (slots.shape[0] + parts - 1) // parts
     for p in numba.prange(parts):  # static partition: one scratch row per part
         gi = scratch[p]
@@ -38,7 +62,8 @@ def step_rows(kind, rows, state, slots, g, lr, eps, b1, b2, wd, global_step, par
                 _prefetch_slot(rows, state, slots[i + PREFETCH_DISTANCE], dim)
             for d in range(dim):
                 gi[d] = g[i, d]
-            _apply_row(kind, rows, state, slots[i], gi, lr, eps, b1, b2, np.float32(wd), global_step)
+            if not _apply_row(kind, rows, state, slots[i], gi, lr, eps, b1, b2, np.float32(wd), global_step, new[p]):
+                skipped[p] += 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -64,13 +89,16 @@ def _occurrences(inv, n_uniq, offsets):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, eps, b1, b2, wd, global_step,
-                   parts):
+def _fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, eps, b1, b2, wd, global_step,
+                   parts, skipped):
     """Bag gradients -> each unique row's gradient -> optimizer, row by row in parallel, in place.
 
     Each unique row sums its ids' bag gradients (in id order, scaled by
     1/bag length for mean) into a scratch row, then ``_apply_row`` updates it:
     the (unique rows, dim) gradient array is never materialised.
+    ``skipped[p]`` (zeros, one per part) counts the rows part ``p`` left as they were because their step
+    overflowed (see ``_apply_row``); an output argument, not a return value: returning the count from
+    the kernel made it about 2x slower here (numba's parallel loop).
     """
     dim = grad_out.shape[1]
     n_uniq = slots.shape[0]
@@ -79,12 +107,14 @@ def fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, e
     chunk = (n_uniq + parts - 1) // parts
     for p in numba.prange(parts):  # static partition, no thread ids needed
         gi = np.empty(dim, np.float32)  # this part's gradient scratch row
+        new = np.empty(2 * dim, np.float32)  # and its new adagrad / adam state, checked before stored
         end = min(n_uniq, (p + 1) * chunk)
         for u in range(p * chunk, end):
             if u + PREFETCH_DISTANCE < end:
                 _prefetch_slot(rows, state, slots[u + PREFETCH_DISTANCE], dim)
-            _fused_row(kind, rows, state, slots[u], start[u], start[u + 1], order, bag, offsets, grad_out, mean,
-                       lr, eps, b1, b2, w, global_step, gi)
+            if not _fused_row(kind, rows, state, slots[u], start[u], start[u + 1], order, bag, offsets, grad_out,
+                              mean, lr, eps, b1, b2, w, global_step, gi, new):
+                skipped[p] += 1
 
 
 @numba.njit(cache=True, inline="always")
@@ -101,7 +131,7 @@ def _prefetch_slot(rows, state, s, dim):
 
 @numba.njit(cache=True, inline="always")
 def _fused_row(kind, rows, state, s, lo, hi, order, bag, offsets, grad_out, mean, lr, eps, b1, b2, w, global_step,
-               gi):
+               gi, new):
     dim = grad_out.shape[1]
     if mean:
         for d in range(dim):
@@ -119,38 +149,84 @@ def _fused_row(kind, rows, state, s, lo, hi, order, bag, offsets, grad_out, mean
             b = bag[order[k]]
             for d in range(dim):
                 gi[d] += grad_out[b, d]
-    _apply_row(kind, rows, state, s, gi, lr, eps, b1, b2, w, global_step)
+    return _apply_row(kind, rows, state, s, gi, lr, eps, b1, b2, w, global_step, new)
 
 
 @numba.njit(cache=True, inline="always")
-def _apply_row(kind, rows, state, s, gi, lr, eps, b1, b2, w, global_step):
-    """One row's update from its gradient ``gi`` (a scratch row, overwritten with weight decay added)."""
+def _apply_row(kind, rows, state, s, gi, lr, eps, b1, b2, w, global_step, new):
+    """One row's update from its gradient ``gi`` (a scratch row, overwritten with weight decay added).
+
+    A row whose step would overflow float32 (a huge lr, a gradient whose
+    square is inf, 0/0 with eps = 0) keeps its row and state, and the call
+    returns False. sgd and rowwise Adagrad first bound the step with scalars:
+    when ``|lr * g_d|`` (at most ``lr * sqrt(sum g^2)``) is below
+    :data:`_SAFE_STEP` and the state is finite, no finite row can overflow,
+    and the row is updated in one pass as before. Otherwise, and always for
+    adagrad and adam (per-element state), a first loop computes the new
+    values without storing them and sums ``x * 0`` over them (0 when all are
+    finite, NaN otherwise); only then does a second loop, over the row now in
+    L1, store them. ``new``: scratch for adagrad's sums and adam's m and v.
+    """
     dim = gi.shape[0]
+    zero = np.float32(0.0)
     if w != 0.0:
         for d in range(dim):
             gi[d] += w * rows[s, d]
+    bad = zero  # x * 0 summed: NaN as soon as one new value is inf or NaN
     if kind == 0:
+        acc = zero
         for d in range(dim):
-            rows[s, d] -= np.float32(lr) * gi[d]
+            acc += gi[d] * gi[d]
+        if np.float32(lr) * np.sqrt(acc) < _SAFE_STEP:  # False for inf and NaN too
+            for d in range(dim):
+                rows[s, d] -= np.float32(lr) * gi[d]
+            return True
+        for d in range(dim):
+            bad += (rows[s, d] - np.float32(lr) * gi[d]) * zero
+        if bad == zero:
+            for d in range(dim):
+                rows[s, d] -= np.float32(lr) * gi[d]
     elif kind == 1:
         acc = np.float32(0.0)
         for d in range(dim):
             acc += gi[d] * gi[d]
-        state[s, 0] += acc / np.float32(dim)
-        mult = np.float32(lr) / (np.sqrt(state[s, 0]) + np.float32(eps))
+        total = state[s, 0] + acc / np.float32(dim)
+        mult = np.float32(lr) / (np.sqrt(total) + np.float32(eps))
+        if total * zero == zero and mult * np.sqrt(acc) < _SAFE_STEP:
+            state[s, 0] = total
+            for d in range(dim):
+                rows[s, d] -= mult * gi[d]
+            return True
+        bad += total * zero
         for d in range(dim):
-            rows[s, d] -= mult * gi[d]
+            bad += (rows[s, d] - mult * gi[d]) * zero
+        if bad == zero:
+            state[s, 0] = total
+            for d in range(dim):
+                rows[s, d] -= mult * gi[d]
     elif kind == 2:
         for d in range(dim):
-            state[s, d] += gi[d] * gi[d]
-            rows[s, d] -= np.float32(lr) * gi[d] / (np.sqrt(state[s, d]) + np.float32(eps))
+            total = state[s, d] + gi[d] * gi[d]
+            new[d] = total
+            bad += (total + (rows[s, d] - np.float32(lr) * gi[d] / (np.sqrt(total) + np.float32(eps)))) * zero
+        if bad == zero:
+            for d in range(dim):
+                state[s, d] = new[d]
+                rows[s, d] -= np.float32(lr) * gi[d] / (np.sqrt(new[d]) + np.float32(eps))
     else:
-        state[s, 2 * dim] += np.float32(1.0)
-        t = np.float64(state[s, 2 * dim]) if global_step <= 0 else np.float64(global_step)
+        count = state[s, 2 * dim] + np.float32(1.0)
+        t = np.float64(count) if global_step <= 0 else np.float64(global_step)
         step = np.float32(lr * np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
         for d in range(dim):
             m = state[s, d] * np.float32(b1) + np.float32(1.0 - b1) * gi[d]
             v = state[s, dim + d] * np.float32(b2) + np.float32(1.0 - b2) * gi[d] * gi[d]
-            state[s, d] = m
-            state[s, dim + d] = v
-            rows[s, d] -= step * m / (np.sqrt(v) + np.float32(eps))
+            new[d] = m
+            new[dim + d] = v
+            bad += (m + v + (rows[s, d] - step * new[d] / (np.sqrt(v) + np.float32(eps)))) * zero
+        if bad == zero:
+            state[s, 2 * dim] = count
+            for d in range(dim):
+                state[s, d] = new[d]
+                state[s, dim + d] = new[dim + d]
+                rows[s, d] -= step * new[d] / (np.sqrt(new[dim + d]) + np.float32(eps))
+    return bad == zero

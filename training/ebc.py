@@ -39,7 +39,8 @@ from embstore.kernels import kernel_threads, pool_rows, unique_inverse_each
 from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import (DEFAULT_EPS, OptimConfig, apply_update, check_finite_gradient,
-                                     check_hyperparameters, check_optimizer, state_dim)
+                                     check_hyperparameters, check_optimizer, finite_rows, overflow_error,
+                                     state_dim)
 from embstore.training.working_set import ResidentWorkingSet, make_working_set
 
 log = logging.getLogger("embstore.training")
@@ -479,7 +480,12 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def _stepper(self, batch: _Batch, t: int, bag_grad: bool = False) -> Callable[[torch.Tensor], None]:
         """The optimizer step of table ``t``: given unique-row gradients, or (``bag_grad``, resident
-        tables) the bag gradients, which the fused kernel turns into row gradients as it updates."""
+        tables) the bag gradients, which the fused kernel turns into row gradients as it updates.
+
+        A row whose step would overflow float32 keeps its row and state (checked before storing, in the
+        kernel); the others keep their update, and the step then raises ``InvalidRowsError``. Undoing
+        them too would need a copy of every row stepped or a second pass over them, on a kernel bound
+        by memory traffic; that costs more than the rare failed step is worth."""
         ws = self.ws[t]
 
         def step(grad: torch.Tensor) -> None:
@@ -491,32 +497,41 @@ class TieredEmbeddingBagCollection(nn.Module):
                     raise RuntimeError("embstore: a second backward through the same forward")
                 grad = grad.to(torch.float32).contiguous()
                 check_finite_gradient(grad, self.table_names[t])
-                if ws.device.type == "cpu":
-                    o = self.optim
-                    gstep = self.steps + 1 if o.adam_step == "global" else 0
-                    rows = ws.flat if isinstance(ws, ResidentWorkingSet) else ws.rows.numpy()
-                    with kernel_threads(len(batch.inv[t])) as parts:
-                        if bag_grad:
-                            fused_bag_step(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], batch.inv[t],
-                                           batch.offsets[t], grad.numpy(), self.pooling == "mean", o.lr, o.eps,
-                                           o.beta1, o.beta2, o.weight_decay, gstep, parts)
-                        else:
-                            step_rows(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], grad.numpy(),
-                                      o.lr, o.eps, o.beta1, o.beta2, o.weight_decay, gstep, parts)
-                else:
-                    idx = torch.from_numpy(batch.slots[t]).to(ws.device)
-                    w = ws.rows[idx]
-                    s = ws.state[idx]
-                    apply_update(self.optim, w, s, grad, self.steps + 1)
-                    ws.rows[idx] = w
-                    if ws.state_dim:
-                        ws.state[idx] = s
+                skipped = self._apply(batch, t, grad, bag_grad)
                 ws.dirty[batch.slots[t]] = True
                 batch.stepped.add(t)
                 if len(batch.stepped) == len(self.tables):
                     self._awaiting.remove(batch)
                     self._retire(batch)
+                if skipped:
+                    raise overflow_error(self.table_names[t], self.optim, skipped, len(batch.slots[t]))
         return step
+
+    def _apply(self, batch: _Batch, t: int, grad: torch.Tensor, bag_grad: bool) -> int:
+        """Step table ``t``'s rows of ``batch`` (caller holds the lock); returns how many rows were left
+        as they were because their new row or state was not finite."""
+        ws, o = self.ws[t], self.optim
+        if ws.device.type == "cpu":
+            gstep = self.steps + 1 if o.adam_step == "global" else 0
+            rows = ws.flat if isinstance(ws, ResidentWorkingSet) else ws.rows.numpy()
+            with kernel_threads(len(batch.inv[t])) as parts:
+                if bag_grad:
+                    return fused_bag_step(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], batch.inv[t],
+                                          batch.offsets[t], grad.numpy(), self.pooling == "mean", o.lr, o.eps,
+                                          o.beta1, o.beta2, o.weight_decay, gstep, parts)
+                return step_rows(_KIND[o.name], rows, ws.state.numpy(), batch.slots[t], grad.numpy(), o.lr, o.eps,
+                                 o.beta1, o.beta2, o.weight_decay, gstep, parts)
+        idx = torch.from_numpy(batch.slots[t]).to(ws.device)
+        w, s = ws.rows[idx], ws.state[idx]  # copies: nothing is stored before the check
+        apply_update(o, w, s, grad, self.steps + 1)
+        ok = finite_rows(w, s)
+        skipped = int((~ok).sum())
+        if skipped:
+            idx, w, s = idx[ok], w[ok], s[ok]
+        ws.rows[idx] = w
+        if ws.state_dim:
+            ws.state[idx] = s
+        return skipped
 
     def _pool(self, table: Any, w: torch.Tensor, batch: _Batch, t: int) -> torch.Tensor:
         dev = w.device

@@ -1,0 +1,152 @@
+"""A finite gradient whose step overflows float32 (a huge lr, a gradient whose square is inf, 0/0 with eps=0)
+must not put inf or NaN into trained rows or their optimizer state: the step raises InvalidRowsError, the rows
+that would overflow keep their previous row and state, every other row gets torch's update, and the store
+(after flush and reopen) holds only finite values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import embstore
+from kernel_threads import kernel_path
+from embstore.training import TieredEmbeddingBagCollection, state_dim
+from embstore.training._kernels import step_rows
+from embstore.training.optim import OptimConfig, apply_update, finite_rows
+from embstore.training.testing import TorchReference, initial_weights, loss_of, make_store, rel_err
+
+ROWS, DIM = 50, 4
+RESIDENT = '[{ kind = "dram", capacity = "1MiB" }, { kind = "mmap" }]'
+# bag 0 holds rows 1, 2 and 3; bag 1 rows 3, 4 and 5 (row 3 gets both bags' gradients)
+IDS, OFFS = torch.tensor([1, 2, 3, 4, 3, 5]), torch.tensor([0, 3, 6])
+# (optimizer, lr, eps, loss weight of bag 0, of bag 1): loss = sum(pooled^2 * weight), so a row's gradient is
+# about 2 * 0.3 * weight. sgd: lr * 600 overflows; the adagrads: g * g does (g ~ 6e20); adam: (1 - b2) * g * g;
+# eps = 0: the rows of a bag with a zero gradient get 0 / 0.
+CASES = [("sgd", 1e38, None, 1e3, 1e-3), ("adagrad", 0.1, None, 1e21, 1.0),
+         ("rowwise_adagrad", 0.1, None, 1e21, 1.0), ("adam", 0.01, None, 1e24, 1.0),
+         ("rowwise_adagrad", 0.1, 0.0, 1.0, 0.0), ("adagrad", 0.1, 0.0, 1.0, 0.0)]
+IDS_OF_CASES = ["sgd-lr-1e38", "adagrad-g2", "rowwise-g2", "adam-g2", "rowwise-eps0", "adagrad-eps0"]
+
+
+def cached_tiers(optimizer: str) -> str:
+    """An LRU DRAM cache of 10 rows over an ssd home: training goes through a working set, not in place."""
+    row_bytes = 4 * (DIM + state_dim(optimizer, DIM))
+    return f'[{{ kind = "dram", capacity = {10 * row_bytes}, policy = "lru" }}, {{ kind = "ssd" }}]'
+
+
+def read_all(store: embstore.Store, name: str = "a") -> tuple[np.ndarray, np.ndarray]:
+    t = store[name]
+    return t.read_with_state(np.arange(t.num_rows, dtype=np.int64))
+
+
+def torch_bad_rows(ref: TorchReference, optimizer: str, adam_step: str) -> np.ndarray:
+    """Rows torch's own optimizer (fbgemm's for rowwise) left with a non-finite value in the row or its state."""
+    bad = ~np.isfinite(ref.weights()[0]).all(axis=1)
+    if optimizer == "adagrad":
+        states = [ref.opt.state[ref.bags[0].weight]["sum"]]
+    elif optimizer == "adam" and adam_step == "global":
+        st = ref.opt.state[ref.bags[0].weight]
+        states = [st["exp_avg"], st["exp_avg_sq"]]
+    elif optimizer == "adam":
+        states = [ref.state[0]["m"], ref.state[0]["v"]]
+    elif optimizer == "rowwise_adagrad":
+        states = [ref.tbe[0].split_optimizer_states()[0][0][:, None]]
+    else:
+        states = []
+    for s in states:
+        bad |= ~np.isfinite(s.detach().numpy()).all(axis=1)
+    return bad
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-thread", "parallel"])
+@pytest.mark.parametrize("tiers", ["resident", "cached"])
+@pytest.mark.parametrize("optimizer,lr,eps,huge,small", CASES, ids=IDS_OF_CASES)
+def test_an_overflowing_step_raises_and_leaves_only_finite_rows(tmp_path, optimizer, lr, eps, huge, small, tiers,
+                                                                parallel) -> None:
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM)], RESIDENT if tiers == "resident" else cached_tiers(optimizer))
+    init = initial_weights(store, "a")
+    ebc = TieredEmbeddingBagCollection(store, ["a"], optimizer=optimizer, lr=lr, eps=eps)
+    ref = TorchReference([init], optimizer, lr, eps=eps)
+    weights = torch.tensor([huge, small], dtype=torch.float32)[:, None, None].expand(2, 1, DIM).contiguous()
+    with kernel_path(parallel):
+        out = ebc([IDS], [OFFS])
+        with pytest.raises(embstore.InvalidRowsError, match=rf"table 'a': the {optimizer} step would have written "
+                                                             r"inf or NaN .* into \d+ of its 5 rows.*Lower the "
+                                                             r"learning rate") as caught:
+            loss_of(out, weights).backward()
+    assert ("pass eps > 0" in str(caught.value)) == (eps == 0.0)  # 0 / 0 is not cured by a lower lr
+    ref.step([IDS], [OFFS], weights)
+    bad = torch_bad_rows(ref, optimizer, "row")
+    assert 0 < bad.sum() < 5  # the case overflows some rows of the batch, not all
+    ebc.flush()
+    rows, state = read_all(store)
+    np.testing.assert_array_equal(rows[bad], init[bad])  # an overflowing row keeps its row and (zero) state
+    assert not state[bad].any()
+    assert rel_err(rows[~bad], ref.weights()[0][~bad]) <= 1e-5  # the others got torch's step
+    assert np.isfinite(state).all()
+
+    ebc.release()
+    ebc = TieredEmbeddingBagCollection(store, ["a"], optimizer=optimizer, lr=0.01)  # the fix the error names
+    with kernel_path(parallel):
+        loss_of(ebc([IDS], [OFFS]), torch.ones_like(weights)).backward()
+    ebc.release()
+    path = store.path
+    store.close()
+    with embstore.open(path) as again:
+        rows, state = read_all(again)
+        assert np.isfinite(rows).all() and np.isfinite(state).all()
+        assert not np.array_equal(rows[bad], init[bad])  # the rows skipped before trained now
+
+
+@pytest.mark.parametrize("adam_step", ["row", "global"])
+def test_adam_overflow_keeps_the_step_count(tmp_path, adam_step: str) -> None:
+    """Adam's row step count is state too: an overflowing row does not count the step it did not take."""
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM)], RESIDENT)
+    ebc = TieredEmbeddingBagCollection(store, ["a"], optimizer="adam", lr=0.01, adam_step=adam_step)
+    weights = torch.tensor([1e24, 1.0])[:, None, None].expand(2, 1, DIM).contiguous()
+    with pytest.raises(embstore.InvalidRowsError, match="inf or NaN"):
+        loss_of(ebc([IDS], [OFFS]), weights).backward()
+    ebc.flush()
+    _, state = read_all(store)
+    np.testing.assert_array_equal(state[[1, 2, 3], 2 * DIM], 0.0)  # bag 0's rows (and row 3, in both bags)
+    np.testing.assert_array_equal(state[[4, 5], 2 * DIM], 1.0)
+    store.close()
+
+
+def test_a_qr_hashed_table_does_not_store_an_overflow(tmp_path) -> None:
+    """QR tables step unique physical rows with ``step_rows`` (not the fused bag kernel)."""
+    store = make_store(tmp_path / "s", [("q", 1000, DIM)], RESIDENT, extra='hash = { kind = "qr", collisions = 8 }\n')
+    before, _ = read_all(store, "q")
+    ebc = TieredEmbeddingBagCollection(store, ["q"], optimizer="sgd", lr=1e38)
+    out = ebc([torch.tensor([7, 123, 4567])], [torch.tensor([0, 2, 3])])
+    with pytest.raises(embstore.InvalidRowsError, match="table 'q': the sgd step would have written inf"):
+        (out * 1e6).sum().backward()
+    ebc.release()
+    after, _ = read_all(store, "q")
+    assert np.isfinite(after).all()
+    np.testing.assert_array_equal(after, before)  # every touched row overflowed: none moved
+    store.close()
+
+
+@pytest.mark.parametrize("optimizer,scale", [("sgd", 1e3), ("adagrad", 1e21), ("rowwise_adagrad", 1e21),
+                                             ("adam", 1e24)])
+def test_the_accelerator_path_keeps_the_rows_the_kernel_keeps(optimizer: str, scale: float) -> None:
+    """Tables on an accelerator step with ``apply_update`` on gathered copies, then store only the rows
+    ``finite_rows`` passes; on the CPU that must leave the same rows as the fused kernel does."""
+    rng = np.random.default_rng(3)
+    n, sd = 64, state_dim(optimizer, DIM)
+    rows = rng.uniform(-0.1, 0.1, (n, DIM)).astype(np.float32)
+    state = np.zeros((n, sd), np.float32)
+    g = (rng.standard_normal((n, DIM)) * np.where(rng.random(n) < 0.5, scale, 1.0)[:, None]).astype(np.float32)
+    lr = 1e38 if optimizer == "sgd" else 0.01
+    cfg = OptimConfig(optimizer, lr, {"sgd": 0.0, "adam": 1e-8}.get(optimizer, 1e-10))
+    w, s = torch.from_numpy(rows.copy()), torch.from_numpy(state.copy())
+    apply_update(cfg, w, s, torch.from_numpy(g), 1)
+    ok = finite_rows(w, s).numpy()
+    want_rows, want_state = np.where(ok[:, None], w.numpy(), rows), np.where(ok[:, None], s.numpy(), state)
+    kind = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2, "adam": 3}[optimizer]
+    bad = step_rows(kind, rows, state, np.arange(n), g, cfg.lr, cfg.eps, cfg.beta1, cfg.beta2, 0.0, 0, 1)
+    assert 0 < bad == int((~ok).sum()) < n
+    assert rel_err(rows, want_rows) <= 1e-5 and (sd == 0 or rel_err(state, want_state) <= 1e-5)
+    assert np.isfinite(rows).all() and np.isfinite(state).all()
