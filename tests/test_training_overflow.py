@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import embstore
 from kernel_threads import kernel_path
@@ -149,4 +151,47 @@ def test_the_accelerator_path_keeps_the_rows_the_kernel_keeps(optimizer: str, sc
     bad = step_rows(kind, rows, state, np.arange(n), g, cfg.lr, cfg.eps, cfg.beta1, cfg.beta2, 0.0, 0, 1)
     assert 0 < bad == int((~ok).sum()) < n
     assert rel_err(rows, want_rows) <= 1e-5 and (sd == 0 or rel_err(state, want_state) <= 1e-5)
+    assert np.isfinite(rows).all() and np.isfinite(state).all()
+
+
+_T = 2.0**128 - 2.0**103  # the smallest magnitude that rounds to inf in float32
+_BIG = [3.4028234e38, 3.0e38, 1.0, 0.0]
+_LR = [0.5, 1e10, 1e20, 1e29, 1e30, 3e30, 1e31, 3e31, 1e32]
+_G = [1e-3, 1.0, 3.0, 1e9, 1e10, 1e11, 1e19]
+
+
+@settings(max_examples=80, deadline=None)
+@given(kind=st.sampled_from([0, 1]), lr=st.sampled_from(_LR),
+       data=st.lists(st.tuples(st.lists(st.sampled_from(_BIG), min_size=DIM, max_size=DIM),
+                               st.lists(st.sampled_from([-1, 1]), min_size=DIM, max_size=DIM),
+                               st.lists(st.sampled_from([-1, 1]), min_size=DIM, max_size=DIM),
+                               st.sampled_from(_G)), min_size=1, max_size=8))
+def test_rows_near_the_float32_limit_overflow_exactly_when_float64_says_so(kind, lr, data) -> None:
+    """sgd and rowwise Adagrad take a one-pass path when a scalar bound (1e30) says no finite row can
+    overflow, and check element by element otherwise: for rows at +-FLT_MAX and steps (sgd: lr * g;
+    rowwise: about lr) on both sides of the bound, a row is updated exactly when its new values, computed
+    in float64, round to finite float32; otherwise it keeps its row and state."""
+    n = len(data)
+    rows = np.array([np.multiply(vals, signs) for vals, signs, _, _ in data], np.float32)
+    g = np.array([np.multiply(scale, signs) for _, _, signs, scale in data], np.float32)
+    state = np.zeros((n, 1 if kind else 0), np.float32)
+    old = rows.copy()
+    g64 = g.astype(np.float64)
+    if kind == 0:
+        new = old - lr * g64
+        state_ok = np.ones(n, bool)
+    else:
+        squares = (g64 * g64).sum(axis=1)  # summed in float32 before the mean, as fbgemm does
+        assume(not (np.abs(squares - _T) < 1e-5 * _T).any())
+        total = squares / DIM  # the state starts at 0
+        new = old - (lr / (np.sqrt(total) + 1e-8))[:, None] * g64
+        state_ok = squares < _T
+    mag = np.abs(new)
+    assume(not (np.abs(mag - _T) < 1e29).any())  # float32 rounding of the step itself could tip these
+    ok = state_ok & (mag < _T).all(axis=1)
+    skipped = step_rows(kind, rows, state, np.arange(n), g, lr, 1e-8, 0.9, 0.999, 0.0, 0, 1)
+    assert skipped == int((~ok).sum())
+    np.testing.assert_array_equal(rows[~ok], old[~ok])
+    scale = np.abs(old.astype(np.float64)) + np.abs(old - new)  # the terms, for the cancellation's error
+    assert (np.abs(rows[ok] - new[ok]) <= 1e-6 * scale[ok]).all()
     assert np.isfinite(rows).all() and np.isfinite(state).all()
