@@ -29,6 +29,7 @@ from embstore.kernels import kernel_threads
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _MIN_F32_SPREAD = 255.0 * 2.0**-125  # below this, 1 / (spread / 255) is no finite float32 (subnormal rows)
+_MIN_SUBNORMAL = np.float32(2.0**-149)  # the smallest positive float32; as a scale it stores such rows exactly
 _SAFE_SCALE, _SAFE_BIAS = 1e36, 1e37  # int8 rows within these decode in float32: 255 * 1e36 + 1e37 < 3.4e38
 FLOAT16_LIMIT = 65520.0  # the smallest magnitude that float16 rounds to inf (its largest finite value is 65504)
 
@@ -123,6 +124,8 @@ def _encode_int8(rows: np.ndarray, out: np.ndarray) -> None:
                 out[i, j] = np.uint8(min(max(q, 0.0), 255.0))
         else:  # a spread that overflows float32 (inf), or so small that 1 / scale does: quantize in float64
             scale = np.float32((np.float64(hi) - np.float64(lo)) / 255.0)
+            if scale == 0:  # spread / 255 below float32's smallest step: the row is a few of those steps apart
+                scale = _MIN_SUBNORMAL
             inv64 = 1.0 / np.float64(scale)
             for j in range(dim):
                 q64 = np.round((np.float64(rows[i, j]) - np.float64(lo)) * inv64)
