@@ -409,13 +409,23 @@ def _names_a_file(text: str) -> bool:
         return False
 
 
+_TOML_ESCAPES = re.compile(r'[\x00-\x1f\x7f"\\]')  # what a TOML basic string may not hold as is
+
+
+def _toml_escape(m: re.Match[str]) -> str:
+    """A quote or backslash behind a backslash; a control character, which no TOML string holds as is,
+    as \\uXXXX."""
+    c = m.group()
+    return "\\" + c if c in '"\\' else f"\\u{ord(c):04x}"
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + _TOML_ESCAPES.sub(_toml_escape, v) + '"'
     if isinstance(v, Mapping):
         return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
     if isinstance(v, (list, tuple)):
