@@ -92,7 +92,14 @@ class StoreClosedError(StoreError):
 
 
 class TierIOError(EmbstoreError, OSError):
-    """A tier could not read or write its backing storage."""
+    """A tier could not read or write its backing storage.
+
+    ``final`` is True when no retry in this process can succeed: a data sync of the tier failed, and
+    Linux forgets such a failure once reported (``tiers/base.py``'s ``SyncGuard``). Only closing the
+    store and reopening it (its write-ahead log replaying acknowledged writes) recovers.
+    """
+
+    final = False
 
     def __init__(self, tier: str, operation: str, err: int | None, detail: str = "") -> None:
         name = _errno.errorcode.get(err, "?") if err else "?"

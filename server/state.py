@@ -379,14 +379,25 @@ class StoreGate:
     async def _flush_before_reload(self, served: Served | None) -> None:
         """Flush ``served`` before it is given up; if that fails, refuse the reload (``503``) and keep it
         open and dirty, so that a later flush (periodic, the next reload, shutdown) still saves its rows
-        once space is freed or the storage repaired."""
+        once space is freed or the storage repaired. A failure no flush can get past (a failed data
+        sync: ``TierIOError.final``) with durable writes is the exception: reopening is the cure there,
+        and the write-ahead log, which no flush has emptied, replays every acknowledged write."""
         if served is None:
             return
         try:
             await offload_shielded(served.flush)
         except Exception as exc:
+            final = bool(getattr(exc, "final", False))
+            if final and served.durable_writes:
+                log.warning("reload of %s: a sync of the open store failed for good (%s); reopening it, "
+                            "its write-ahead log replays the acknowledged writes", self.settings.store, exc)
+                return
             kept = "in memory and in the write-ahead log" if served.durable_writes else "in memory only"
             log.error("reload of %s refused: flushing the open store failed: %s", self.settings.store, exc)
+            if final:
+                raise ApiError(503, f"reload refused, still serving the store opened before: a sync failed for "
+                                    f"good ({exc}); without durable writes the rows written since the last good "
+                                    "flush are kept in memory only and a reload or restart loses them") from exc
             raise ApiError(503, f"reload refused, still serving the store opened before: flushing its written "
                                 f"rows failed ({exc}); they are kept {kept} until a flush succeeds: free space "
                                 "or repair the storage, then retry the reload") from exc

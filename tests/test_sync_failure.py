@@ -304,3 +304,39 @@ def test_a_real_eio_from_fdatasync_is_not_retried(failing_ext4, tmp_path: Path, 
     failing_ext4.repair()
     np.testing.assert_array_equal(_lookup(path, model), np.full(BIG_ROWS, 2.0, np.float32))
     assert flushed_after_failure == 0
+
+
+# -- the server -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "on-apply"])
+def test_a_server_reload_after_a_failed_home_sync(tmp_path: Path, monkeypatch, buffered, durable: bool) -> None:
+    """No flush can get past a failed data sync, so a reload that waited for one would be refused for
+    ever. With durable writes the reload goes ahead (close, reopen: the log replays every acknowledged
+    PUT); without, it is refused with a message saying that the unflushed rows are in memory only."""
+    import httpx
+
+    from embstore.server import ServerSettings, create_app
+    from embstore.server.testing import ServerThread
+
+    path = tmp_path / "s"
+    cfg = TableConfig("t", 2_000, DIM, tiers=(TierConfig("dram", 32 * DIM * 4, "lru"), TierConfig("ssd")))
+    embstore.create(path, StoreConfig((cfg,))).close()
+    app = create_app(ServerSettings(store=path, flush_interval=0, durable_writes=durable))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        def put(ids: range, value: float) -> None:
+            body = {"ids": list(ids), "embeddings": [[value] * DIM] * len(ids)}
+            assert c.put("/v1/tables/t/rows", json=body).status_code == 204
+
+        put(range(0, 100), 1.0)
+        assert c.post("/v1/admin/reload").status_code == 200  # a good flush, then a reopen
+        monkeypatch.setattr(ssd, "_fdatasync", LosingSync(path / "tables/t/home" / SLAB_FILE, ssd._fdatasync))
+        put(range(50, 150), 2.0)  # 100 rows: more than the cache, so some reach the home
+        resp = c.post("/v1/admin/reload")
+        monkeypatch.undo()
+        if durable:
+            assert resp.status_code == 200, resp.text
+            assert c.post("/v1/admin/reload").status_code == 200  # the reopened home flushes and syncs again
+            got = np.array(c.post("/v1/tables/t/lookup", json={"ids": list(range(150))}).json()["embeddings"])
+            np.testing.assert_array_equal(got[:, 0], [1.0] * 50 + [2.0] * 100)
+        else:
+            assert resp.status_code == 503, resp.text
+            assert "failed for good" in resp.json()["detail"] and "in memory only" in resp.json()["detail"]

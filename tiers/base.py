@@ -89,14 +89,17 @@ class SyncGuard:
         err = tier_io_error(self.tier, operation, exc)
         detail = f"{exc.strerror or exc}; {self._CURE}"
         self.failure = type(err)(self.tier, operation, err.errno, detail)
+        self.failure.final = True
         return self.failure
 
     def check(self, operation: str) -> None:
         """Raise, for ``operation``, if a sync has failed (the earlier failure's type and errno)."""
         first = self.failure
         if first is not None:
-            raise type(first)(self.tier, operation, first.errno,
-                              f"an earlier sync of {self.path} failed; {self._CURE}")
+            refused = type(first)(self.tier, operation, first.errno,
+                                  f"an earlier sync of {self.path} failed; {self._CURE}")
+            refused.final = True
+            raise refused
 
 
 class Tier(abc.ABC):
