@@ -316,7 +316,17 @@ class _Permutation:
         return cls(a, rng.integers(0, m, size=tables, dtype=np.int64), m)
 
     def __call__(self, ranks: np.ndarray, tab: np.ndarray) -> npt.NDArray[np.int64]:
-        return (np.int64(self.a) * ranks + self.b[tab]) % np.int64(self.m)
+        x = (np.int64(self.a) * ranks) % np.int64(self.m)  # draw keeps a * rank below 2**62
+        gap = np.int64(self.m) - self.b[tab]  # x + b >= m  <=>  x >= m - b; x + b itself may pass 2**63
+        return np.where(x >= gap, x - gap, x + self.b[tab])
+
+
+@njit(cache=True)
+def _affine(a, r, b, m):  # pragma: no cover - numba
+    """One rank of :class:`_Permutation`: ``(a * r + b) mod m`` without the int64 overflow of ``a * r + b``
+    (for m > 2**62 that sum wraps, and two ranks would share an id)."""
+    x = (a * r) % m
+    return x - (m - b) if x >= m - b else x + b
 
 
 _NEWCOMER_TRIES = 32  # draws for a newcomer the batch has not used, before a rank keeps its occupant
@@ -344,11 +354,11 @@ def _drifted_ids(ranks, tab, batch, keep, a, b, m, moved, checked, seed):  # pra
                 for _ in range(_NEWCOMER_TRIES):
                     j = np.int64(np.random.randint(0, m))
                     if j != r and checked.get((t, j), -1) != batch:
-                        new = moved.get((t, j), (a * j + b[t]) % m)
-                        moved[(t, j)] = moved.get(key, (a * r + b[t]) % m)
+                        new = moved.get((t, j), _affine(a, j, b[t], m))
+                        moved[(t, j)] = moved.get(key, _affine(a, r, b[t], m))
                         moved[key] = new
                         break
-        out[i] = moved.get(key, (a * r + b[t]) % m)
+        out[i] = moved.get(key, _affine(a, r, b[t], m))
     return out
 
 

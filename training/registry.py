@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from embstore.training.dlrm import DLRM
 from embstore.training.ebc import TieredEmbeddingBagCollection
 
 MODELS_DIR = "models"
+# what reading a damaged model.json / dense.pt raises (garbage or empty dense.pt: pickle / EOF errors)
+_UNREADABLE = (OSError, ValueError, TypeError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError)
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,15 @@ def load_model(store: Store, name: str) -> DLRM:
         spec = ModelSpec(**{**raw, "tables": tuple(raw["tables"]), "dense_arch": tuple(raw["dense_arch"]),
                             "over_arch": tuple(raw["over_arch"])})
         dense = torch.load(folder / "dense.pt", weights_only=True)
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+    except _UNREADABLE as exc:
         raise CorruptStoreError(f"model {name!r} in {folder} cannot be read: {exc}") from exc
     ebc = TieredEmbeddingBagCollection(store, list(spec.tables), optimizer=spec.sparse_optimizer)
     model = DLRM(ebc, len(spec.tables), spec.embedding_dim, spec.dense_in_features, spec.dense_arch,
                  spec.over_arch, spec.interaction, spec.dcn_layers, spec.dcn_low_rank)
-    missing, unexpected = model.load_state_dict(dense, strict=False)
+    try:  # not a state dict, or a tensor of another shape
+        missing, unexpected = model.load_state_dict(dense, strict=False)
+    except (TypeError, RuntimeError) as exc:
+        raise CorruptStoreError(f"model {name!r} in {folder}: dense.pt does not fit its shape: {exc}") from exc
     missing = [k for k in missing if not k.startswith("sparse_arch.")]
     if missing or unexpected:
         raise CorruptStoreError(f"model {name!r} in {folder}: parameters do not match its shape "
