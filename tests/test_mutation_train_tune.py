@@ -266,3 +266,35 @@ def test_replay_per_table_refuses_negative_ids(tmp_path, capsys):
                 path)
     assert main(["replay", str(path), "--per-table", "--capacity", "1"]) == 2
     assert "table 'neg' has negative ids" in capsys.readouterr().err
+
+
+def test_each_rank_takes_its_own_slice_of_a_global_batch():
+    """Distributed training: rank r's dense features and labels are samples [r * B/W, (r + 1) * B/W) of the
+    global batch, so the ranks together see every sample once (rank 0's slice everywhere passed the
+    two-process test, whose ranks then trained on the same samples)."""
+    import torch
+
+    from embstore.training.data import ClickBatch
+    from embstore.training.distributed import DistContext
+    from embstore.training.trainer import local_part
+
+    b, world = 12, 3
+    batch = ClickBatch(torch.arange(b * 2, dtype=torch.float32).reshape(b, 2), torch.arange(b, dtype=torch.float32),
+                       [], [])
+    parts = [local_part(batch, DistContext(r, world)) for r in range(world)]
+    assert all(len(d) == len(y) == b // world for d, y in parts)
+    assert torch.equal(torch.cat([d for d, _ in parts]), batch.dense)
+    assert torch.equal(torch.cat([y for _, y in parts]), batch.labels)
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_is_a_config_error(tmp_path):
+    """32 samples over 3 ranks cannot be split evenly: refused naming data.batch_size, over 2 and 4 accepted."""
+    from embstore.errors import ConfigError
+    from embstore.training.trainer import Batches
+
+    cfg = _train_cfg(tmp_path)
+    for world in (1, 2, 4):
+        Batches(cfg, world)
+    with pytest.raises(ConfigError, match="3 ranks") as err:
+        Batches(cfg, 3)
+    assert err.value.key == "data.batch_size"
