@@ -329,3 +329,35 @@ def test_only_a_host_memory_whole_table_slab_counts_as_memory_resident(tmp_path)
     cfg = StoreConfig(tuple(TableConfig(name, 20, 4, tiers=tiers) for name, tiers in layouts.items()))
     with embstore.create(tmp_path / "s", cfg) as store:
         assert {n: store[n].memory_resident for n in layouts} == {"dram": True, "mmap": False, "partial": False}
+
+
+def test_a_qr_hashed_resident_table_refuses_row_writes(tmp_path) -> None:
+    """A QR table's rows are combinations of two shared rows: ``update`` is refused on every path, also
+    the in-place fast path of a whole-table float32 slab, and nothing is written."""
+    cfg = TableConfig("q", 64, 4, hash={"kind": "qr", "collisions": 4},
+                      tiers=(TierConfig("dram", "1MiB"), TierConfig("mmap")))
+    with embstore.create(tmp_path / "s", StoreConfig((cfg,))) as store:
+        t = store["q"]
+        ids = np.arange(8, dtype=np.int64)
+        t.lookup(ids)  # every physical row resident
+        before = t.read_physical(np.arange(t.hierarchy.tiers[-1].num_rows, dtype=np.int64))
+        with pytest.raises(embstore.InvalidInputError, match="QR"):
+            t.update(ids, np.ones((8, 4), np.float32))
+        after = t.read_physical(np.arange(t.hierarchy.tiers[-1].num_rows, dtype=np.int64))
+        np.testing.assert_array_equal(after, before)
+
+
+def test_a_table_whose_flush_fails_on_close_still_closes_its_tiers(tmp_path, monkeypatch) -> None:
+    """``Table.close`` releases its tiers (their files and locks) even when the final flush fails, so
+    the store can be opened again; the failure reaches the caller."""
+    with embstore.create(tmp_path / "s", StoreConfig((TableConfig("t", 16, 4),))) as store:
+        t = store["t"]
+
+        def fails() -> None:
+            raise embstore.TierIOError("ssd", "flush", 5)
+
+        monkeypatch.setattr(t.hierarchy, "flush", fails)
+        with pytest.raises(embstore.TierIOError):
+            t.close()
+        assert all(tier.closed for tier in t.hierarchy.tiers)
+        monkeypatch.undo()
