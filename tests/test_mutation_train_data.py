@@ -305,3 +305,27 @@ def test_release_writes_the_trained_rows_home_and_counts_them(tmp_path):
         want[[1, 3]] -= 0.5
         want[2] -= 1.0  # in two bags
         np.testing.assert_allclose(rows, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["constructor", "pipeline"])
+@pytest.mark.parametrize("bad", [True, -1, 1.5, "2"])
+def test_lookahead_must_be_a_plain_non_negative_integer(tmp_path, where: str, bad) -> None:
+    """``lookahead=True`` would silently mean one batch; a bool, a negative, a float or a string is refused
+    (mutation e8: the bool check dropped)."""
+    from embstore.errors import InvalidInputError
+    from embstore.training import TieredEmbeddingBagCollection
+    from embstore.training.testing import make_store
+
+    store = make_store(tmp_path / "s", [("a", 16, 4)], '[{ kind = "dram", capacity = "1MiB" }, { kind = "mmap" }]')
+    try:
+        with pytest.raises(InvalidInputError, match="lookahead must be an integer >= 0"):
+            if where == "constructor":
+                TieredEmbeddingBagCollection(store, ["a"], lookahead=bad)
+            else:
+                ebc = TieredEmbeddingBagCollection(store, ["a"])
+                try:
+                    next(iter(ebc.pipeline([], lookahead=bad)), None)
+                finally:
+                    ebc.release()
+    finally:
+        store.close()
