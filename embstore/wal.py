@@ -92,10 +92,17 @@ def _payloads(f: BinaryIO, end: int) -> Iterator[bytes]:
         at += _HEADER.size + size
 
 
+def _unsynced_mark(segment: Path) -> Path:
+    """The mark beside a segment sealed after a failed sync: it may hold a hole (see ``_sync_failed``)."""
+    return segment.with_suffix(".unsynced")
+
+
 def read_records(directory: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Every whole record of the log in ``directory``, oldest first, up to a torn tail of the last
     segment. A damaged record in an earlier segment (sealed, so synced whole) is a
-    ``CorruptStoreError``: the writes after it were acknowledged and cannot be skipped."""
+    ``CorruptStoreError``: the writes after it were acknowledged and cannot be skipped; unless the
+    segment is marked unsynced (its sync failed, and nothing was acknowledged through the log since),
+    where the damage ends that segment's replay as a torn tail would."""
     segments = _segments(Path(directory))
     for n, path in enumerate(segments):
         with open(path, "rb", buffering=_READ_BUFFER) as f:
@@ -110,7 +117,7 @@ def read_records(directory: str | os.PathLike[str]) -> Iterator[tuple[str, np.nd
                 yield record
                 at += _HEADER.size + len(payload)
         if at < end:
-            if n < len(segments) - 1:
+            if n < len(segments) - 1 and not _unsynced_mark(path).exists():
                 raise CorruptStoreError(f"write-ahead log {path}: the record at offset {at} is damaged, and "
                                         "later segments hold acknowledged writes")
             log.warning("write-ahead log %s: %d bytes after offset %d are a torn record; ignored (never "
@@ -197,8 +204,8 @@ class WriteAheadLog:
         """Segment ``seq`` lost pages to a failed sync. The kernel reported that once and marked them
         clean, so a later sync would "succeed" without them, and replay would stop at the hole, hiding
         every record after it: no log sync is allowed (writes are acknowledged by a flush) until a flush
-        has retired the segment. It stays the current segment meanwhile (see :meth:`seal`), so that the
-        hole is only ever a torn tail to replay, never damage before a later segment."""
+        has retired the segment. :meth:`seal` marks it, so that replay takes its hole for a torn tail and
+        goes on with the later segments (none of whose writes was acknowledged through the log)."""
         self._unsynced_seq = seq if self._unsynced_seq is None else min(seq, self._unsynced_seq)
 
     def sync(self, fd: int, seq: int | None = None) -> None:
@@ -224,12 +231,17 @@ class WriteAheadLog:
         """Sync and close the current segment; later appends go to a new one. Returns the first
         sequence number not sealed: segments below it may go once the store is flushed.
 
-        A segment whose sync failed is not synced again (that would lie) and stays open: the flush
-        after the seal covers its records, and :meth:`drop_before` retires it with the sealed ones."""
+        A segment whose sync failed is not synced again (that would lie) but marked unsynced: the
+        flush after the seal covers its records, and :meth:`drop_before` retires it with its mark."""
         if self._fd >= 0:
             if self._unsynced_seq == self._seq:
-                return self._seq + 1
-            self.sync(self._fd)
+                try:
+                    _unsynced_mark(self._segment(self._seq)).touch()
+                    fsync_dir(self.directory)
+                except OSError as exc:
+                    raise tier_io_error("write-ahead log", "seal", exc) from exc
+            else:
+                self.sync(self._fd)
             os.close(self._fd)
             self._fd = -1
             self._seq += 1
@@ -238,13 +250,10 @@ class WriteAheadLog:
 
     def drop_before(self, seq: int) -> None:
         """Delete the sealed segments below ``seq`` (their writes are in the flushed tables)."""
-        if self._fd >= 0 and self._seq < seq:  # the current segment, whose sync failed (see seal): covered too
-            self.close()
-            self._seq = seq
-            self._last_start = -1
         gone = [p for p in _segments(self.directory) if int(p.stem) < seq]
         for p in gone:
             p.unlink()
+            _unsynced_mark(p).unlink(missing_ok=True)  # after its segment: a mark alone is ignored
         if gone:
             fsync_dir(self.directory)
         if self._torn_seq is not None and self._torn_seq < seq:

@@ -368,9 +368,10 @@ def test_a_failed_log_sync_is_not_retried(store_path, monkeypatch) -> None:
 
 
 def test_a_failed_seal_leaves_a_log_that_replays_after_a_failed_flush(store_path, monkeypatch) -> None:
-    """A flush whose seal fails, then one whose tables fail to flush: the damaged segment must stay the
-    last one (a torn tail to replay), not be followed by a new segment, which would make the hole damage
-    that refuses the store's next open (and later writes must not be acknowledged through the log)."""
+    """A flush whose seal fails, then one whose tables fail to flush: the damaged segment, sealed without
+    a retried sync, is marked unsynced, so its hole ends its replay like a torn tail instead of being
+    damage before a later segment that refuses the store's next open (and later writes must not be
+    acknowledged through the log)."""
     with embstore.open(store_path) as s:
         monkeypatch.setattr(os, "fdatasync", LosingSync(fail_at=2))
         s.update_logged("t", np.array([1]), rows_of(1.0))
@@ -395,3 +396,29 @@ def test_a_failed_seal_leaves_a_log_that_replays_after_a_failed_flush(store_path
         assert c["t"].lookup(np.array([1]))[0, 0] == 1.0
     with embstore.open(store_path) as s:  # the clean close flushed everything
         np.testing.assert_array_equal(s["t"].lookup(np.array([1, 2, 3]))[:, 0], [1.0, 2.0, 3.0])
+
+
+def test_a_write_logged_while_a_flush_retires_a_failed_segment_stays_logged(store_path, monkeypatch) -> None:
+    """After a failed log sync, a flush retires the damaged segment. A write logged while that flush runs
+    (after its table was flushed, so the flush does not cover it) must land in a segment the flush keeps:
+    a later sync_log acknowledges it, and a crash must then replay it."""
+    with embstore.open(store_path) as s:
+        monkeypatch.setattr(os, "fdatasync", LosingSync(fail_at=2))
+        s.update_logged("t", np.array([1]), rows_of(1.0))
+        s.sync_log()
+        s.update_logged("t", np.array([2]), rows_of(2.0))
+        with pytest.raises(embstore.TierIOError):
+            s.sync_log()
+        table_flush = s["t"].flush
+
+        def flush_then_a_concurrent_write() -> None:
+            table_flush()
+            s.update_logged("t", np.array([5]), rows_of(5.0))  # as another thread would, mid-flush
+
+        monkeypatch.setattr(s["t"], "flush", flush_then_a_concurrent_write)
+        s.flush()
+        monkeypatch.setattr(s["t"], "flush", table_flush)
+        s.sync_log()  # acknowledges write 5
+        shutil.copytree(store_path, store_path.parent / "crash")
+    with embstore.open(store_path.parent / "crash") as c:
+        np.testing.assert_array_equal(c["t"].lookup(np.array([1, 2, 5]))[:, 0], [1.0, 2.0, 5.0])
