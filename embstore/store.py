@@ -62,6 +62,7 @@ class Store:
         self._closed = False
         self._wal = WriteAheadLog(path / WAL_DIR)
         self._wal_lock = threading.Lock()  # the log's order is the order writes are applied in
+        self._sync_lock = threading.Lock()  # one log sync or seal at a time (WriteAheadLog.synced); then _wal_lock
         try:
             for cfg in config.tables:
                 self.tables[cfg.name] = self._open_table(cfg)
@@ -195,11 +196,12 @@ class Store:
     def flush(self) -> None:
         """Make every write acknowledged so far durable."""
         self._check_open()
-        with self._wal_lock:
+        with self._sync_lock, self._wal_lock:
             sealed = self._wal.seal()  # what was logged before this point is applied: the flush covers it
         for t in self.tables.values():
             t.flush()
-        self._wal.drop_before(sealed)
+        with self._wal_lock:
+            self._wal.drop_before(sealed)
 
     def update_logged(self, name: str, ids: Any, rows: Any) -> None:
         """``store[name].update(ids, rows)``, first appended to the store's write-ahead log, so that
@@ -218,16 +220,27 @@ class Store:
                 raise
 
     def sync_log(self) -> None:
-        """Make every ``update_logged`` write so far durable: one ``fdatasync`` of the log, shared by
-        concurrent callers' writes (group commit), run outside the store's lock."""
+        """Make every ``update_logged`` write so far durable: one ``fdatasync`` of the log, run outside
+        the store's lock; callers that queue behind a sync share the next one (group commit), and a
+        caller whose writes an earlier sync or flush covered returns at once."""
         self._check_open()
         with self._wal_lock:
-            fd, seq = self._wal.sync_handle()
-        if fd >= 0:
+            target = self._wal.position()
+        with self._sync_lock:
+            with self._wal_lock:
+                fd, seq, end = self._wal.sync_handle(target)
+            if fd < 0:
+                return
             try:
-                self._wal.sync(fd, seq)
+                os.fdatasync(fd)
+            except OSError as exc:
+                with self._wal_lock:
+                    self._wal.sync_failed(seq)
+                raise tier_io_error("write-ahead log", "sync", exc) from exc
             finally:
                 os.close(fd)
+            with self._wal_lock:
+                self._wal.synced(seq, end)
 
     def _replay_log(self) -> None:
         """Apply what the write-ahead log holds (writes acknowledged before a crash), flush, drop it."""
@@ -251,7 +264,7 @@ class Store:
             return
         self._closed = True
         try:
-            with self._wal_lock:
+            with self._sync_lock, self._wal_lock:
                 sealed = self._wal.seal()
         except BaseException:  # the tables still flush and close (releasing their tier locks, so that the
             try:               # store can be opened again); the log stays, replayed by the next open
@@ -260,7 +273,8 @@ class Store:
                 self._wal.close()
             raise
         close_all(list(self.tables.values()))  # every table, even when one fails (then raises)
-        self._wal.drop_before(sealed)
+        with self._wal_lock:
+            self._wal.drop_before(sealed)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -127,8 +127,10 @@ def read_records(directory: str | os.PathLike[str]) -> Iterator[tuple[str, np.nd
 class WriteAheadLog:
     """Appends and syncs records in ``directory`` (created on the first append).
 
-    Not thread-safe by itself: the store orders appends, seals and drops under
-    one lock, so that the log's order is the order the writes were applied in.
+    Not thread-safe by itself: the store calls every method under one lock, so
+    that the log's order is the order the writes were applied in. Only the
+    ``fdatasync`` of a :meth:`sync_handle` runs outside it, one at a time (see
+    :meth:`synced`).
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -139,6 +141,8 @@ class WriteAheadLog:
         self._torn_seq: int | None = None  # a segment left with a partial record that could not be cut off
         self._unsynced_seq: int | None = None  # a segment whose sync failed: see _sync_failed
         self._last_start = -1  # where the current segment's last appended record begins
+        self._end = 0  # bytes in the current segment
+        self._durable = (self._seq, 0)  # (segment, offset): every record before it is synced or flushed
 
     def _segment(self, seq: int) -> Path:
         return self.directory / f"{seq:08d}.log"
@@ -171,7 +175,7 @@ class WriteAheadLog:
             except OSError:
                 self._torn_seq = self._seq
             raise tier_io_error("write-ahead log", "append", exc) from exc
-        self._last_start = end
+        self._last_start, self._end = end, end + len(record)
 
     def retract(self) -> None:
         """Cut off the record the last :meth:`append` added (no append or seal may come between): its
@@ -187,6 +191,7 @@ class WriteAheadLog:
         start, self._last_start = self._last_start, -1
         try:
             os.ftruncate(self._fd, start)
+            self._end = start
         except OSError as exc:
             log.error("write-ahead log %s: could not cut off the record of a write that failed (%s); if the "
                       "process dies before the next flush, its replay applies that write", self._segment(self._seq),
@@ -208,24 +213,51 @@ class WriteAheadLog:
         goes on with the later segments (none of whose writes was acknowledged through the log)."""
         self._unsynced_seq = seq if self._unsynced_seq is None else min(seq, self._unsynced_seq)
 
-    def sync(self, fd: int, seq: int | None = None) -> None:
-        """``fdatasync(fd)`` (a :meth:`sync_handle` of segment ``seq``), a failure raised as a
-        ``TierIOError`` and remembered (:meth:`_sync_failed`)."""
+    def _sync(self, fd: int) -> None:
+        """``fdatasync(fd)`` of the current segment, a failure raised as a ``TierIOError`` and remembered."""
         try:
             os.fdatasync(fd)
         except OSError as exc:
-            self._sync_failed(self._seq if seq is None else seq)
+            self._sync_failed(self._seq)
             raise tier_io_error("write-ahead log", "sync", exc) from exc
 
-    def sync_handle(self) -> tuple[int, int]:
-        """(a duplicate of the current segment's descriptor, or -1 when none is open; its sequence
-        number): the caller may ``fdatasync`` and close it outside the store's lock, while appends and
-        seals go on."""
+    def position(self) -> tuple[int, int]:
+        """(segment, offset) just past the last record appended: what a sync must cover to make every
+        write so far durable."""
+        return self._seq, (self._end if self._fd >= 0 else 0)
+
+    def sync_handle(self, target: tuple[int, int]) -> tuple[int, int, int]:
+        """(a duplicate of the current segment's descriptor, its sequence number, its length) for a
+        sync that covers ``target`` (a :meth:`position`); the descriptor is -1 when an earlier sync or
+        flush already covered it (group commit). The caller ``fdatasync``s and closes it outside the
+        store's lock, while appends go on, then reports with :meth:`sync_failed` or :meth:`synced`."""
+        if target <= self._durable:
+            return -1, self._seq, 0
         if self._unsynced_seq is not None:
             raise TierIOError("write-ahead log", "sync", errno.EIO,
                               f"an earlier sync of {self._segment(self._unsynced_seq)} failed; a flush must "
                               "retire it")
-        return (os.dup(self._fd) if self._fd >= 0 else -1), self._seq
+        if self._fd < 0:
+            return -1, self._seq, 0
+        return os.dup(self._fd), self._seq, self._end
+
+    def sync_failed(self, seq: int) -> None:
+        """The ``fdatasync`` of a :meth:`sync_handle` of segment ``seq`` failed (see :meth:`_sync_failed`)."""
+        self._sync_failed(seq)
+
+    def synced(self, seq: int, end: int) -> None:
+        """The ``fdatasync`` of a :meth:`sync_handle` of segment ``seq`` (``end`` bytes long) returned.
+
+        A handle is a duplicate, sharing its open file description with the log's own descriptor, and
+        Linux reports a write-back error once per description: a sync racing one that failed (a
+        retract's, under the store's lock) can return success without the lost pages. So success counts
+        only if no failure was reported for the segment meanwhile; the store runs handle syncs and seals
+        one at a time, so that no two syncs of the log race each other."""
+        if self._unsynced_seq is not None and self._unsynced_seq <= seq:
+            raise TierIOError("write-ahead log", "sync", errno.EIO,
+                              f"a concurrent sync of {self._segment(self._unsynced_seq)} failed; a flush must "
+                              "retire it")
+        self._durable = max(self._durable, (seq, end))
 
     def seal(self) -> int:
         """Sync and close the current segment; later appends go to a new one. Returns the first
@@ -241,11 +273,12 @@ class WriteAheadLog:
                 except OSError as exc:
                     raise tier_io_error("write-ahead log", "seal", exc) from exc
             else:
-                self.sync(self._fd)
+                self._sync(self._fd)
+                self._durable = (self._seq + 1, 0)
             os.close(self._fd)
             self._fd = -1
             self._seq += 1
-            self._last_start = -1
+            self._last_start, self._end = -1, 0
         return self._seq
 
     def drop_before(self, seq: int) -> None:
@@ -260,6 +293,7 @@ class WriteAheadLog:
             self._torn_seq = None
         if self._unsynced_seq is not None and self._unsynced_seq < seq:
             self._unsynced_seq = None
+        self._durable = max(self._durable, (seq, 0))
 
     def close(self) -> None:
         if self._fd >= 0:

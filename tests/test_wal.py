@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import tracemalloc
 
 import numpy as np
@@ -422,3 +423,130 @@ def test_a_write_logged_while_a_flush_retires_a_failed_segment_stays_logged(stor
         shutil.copytree(store_path, store_path.parent / "crash")
     with embstore.open(store_path.parent / "crash") as c:
         np.testing.assert_array_equal(c["t"].lookup(np.array([1, 2, 5]))[:, 0], [1.0, 2.0, 5.0])
+
+
+class HeldLosingSync(LosingSync):
+    """:class:`LosingSync` whose failing call loses the pages at once, then holds its EIO until
+    ``release`` is set: the window in which another sync of the same open file description would
+    "succeed" without them (Linux reports a write-back error once per description)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__(fail_at)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, fd: int) -> None:
+        if self.calls + 1 != self.fail_at:
+            return super().__call__(fd)
+        self.calls += 1
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        good, size = self.synced.get(path, 0), os.fstat(fd).st_size
+        with open(path, "r+b") as f:
+            f.seek(good)
+            f.write(b"\0" * (size - good))
+        self.entered.set()
+        self.release.wait(30)
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def run_beside_a_failing_sync(s, sync: HeldLosingSync, other) -> BaseException | None:
+    """Run ``s.sync_log()`` (it fails, held) and ``other()`` in threads; release the failure once
+    ``other`` has returned or had 0.5 s to overlap it. Returns what ``other`` raised, if anything."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def call(key: str, fn) -> None:
+        try:
+            fn()
+            outcome[key] = None
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome[key] = exc
+
+    a = threading.Thread(target=call, args=("sync", s.sync_log))
+    a.start()
+    assert sync.entered.wait(30)
+    b = threading.Thread(target=call, args=("other", other))
+    b.start()
+    b.join(0.5)
+    sync.release.set()
+    a.join(30)
+    b.join(30)
+    assert isinstance(outcome["sync"], embstore.TierIOError)
+    return outcome["other"]
+
+
+def test_a_sync_racing_a_failed_one_does_not_acknowledge(store_path, monkeypatch) -> None:
+    """Two concurrent sync_log calls: when one fails, the other must not report the lost write
+    durable. Its sync, on a duplicate of the same descriptor, would "succeed" without the lost pages."""
+    with embstore.open(store_path) as s:
+        sync = HeldLosingSync(fail_at=2)
+        monkeypatch.setattr(os, "fdatasync", sync)
+        s.update_logged("t", np.array([1]), rows_of(1.0))
+        s.sync_log()
+        s.update_logged("t", np.array([2]), rows_of(2.0))
+
+        def write_and_sync() -> None:
+            s.update_logged("t", np.array([3]), rows_of(3.0))
+            s.sync_log()
+
+        raised = run_beside_a_failing_sync(s, sync, write_and_sync)
+        shutil.copytree(store_path, store_path.parent / "crash")
+        monkeypatch.undo()
+    with embstore.open(store_path.parent / "crash") as c:
+        assert c["t"].lookup(np.array([1]))[0, 0] == 1.0
+        if raised is None:  # write 3 was acknowledged: it must have survived
+            assert c["t"].lookup(np.array([3]))[0, 0] == 3.0
+    assert isinstance(raised, embstore.TierIOError)
+
+
+def test_a_flush_racing_a_failed_log_sync_leaves_a_store_that_opens(store_path, monkeypatch) -> None:
+    """A flush whose seal races a failing log sync, then fails to flush its table: the seal must not
+    take the damaged segment for synced, or its hole is damage before the next segment and the
+    store cannot be opened after a crash."""
+    with embstore.open(store_path) as s:
+        sync = HeldLosingSync(fail_at=2)
+        monkeypatch.setattr(os, "fdatasync", sync)
+        s.update_logged("t", np.array([1]), rows_of(1.0))
+        s.sync_log()
+        s.update_logged("t", np.array([2]), rows_of(2.0))
+        table_flush = s["t"].flush
+
+        def disk_fails() -> None:
+            raise embstore.TierIOError("ssd", "flush", errno.EIO)
+
+        monkeypatch.setattr(s["t"], "flush", disk_fails)
+        assert isinstance(run_beside_a_failing_sync(s, sync, s.flush), embstore.TierIOError)
+        s.update_logged("t", np.array([3]), rows_of(3.0))  # a later segment
+        shutil.copytree(store_path, store_path.parent / "crash")
+        monkeypatch.setattr(s["t"], "flush", table_flush)
+        monkeypatch.setattr(os, "fdatasync", sync.real)
+    with embstore.open(store_path.parent / "crash") as c:
+        assert c["t"].lookup(np.array([1]))[0, 0] == 1.0
+
+
+def test_a_sync_with_nothing_new_to_cover_does_not_sync(store_path, monkeypatch) -> None:
+    """Group commit: a sync_log whose writes an earlier sync or flush covered returns without an
+    fdatasync; a new write needs one again."""
+    calls: list[int] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    with embstore.open(store_path) as s:
+        monkeypatch.setattr(os, "fdatasync", counting)
+        s.sync_log()  # nothing logged yet
+        assert calls == []
+        s.update_logged("t", np.array([1]), rows_of(1.0))
+        s.sync_log()
+        assert len(calls) == 1
+        s.sync_log()
+        assert len(calls) == 1
+        s.update_logged("t", np.array([2]), rows_of(2.0))
+        s.flush()  # its seal syncs the segment
+        n = len(calls)
+        s.sync_log()
+        assert len(calls) == n
+        s.update_logged("t", np.array([3]), rows_of(3.0))
+        s.sync_log()
+        assert len(calls) == n + 1
+        monkeypatch.undo()
