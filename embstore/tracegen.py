@@ -82,6 +82,7 @@ import numpy.typing as npt
 from numba import njit, typed, types
 
 from embstore.errors import InvalidInputError
+from embstore.modmath import addmod, affine_mod, mulmod
 from embstore.traces import MAX_DEFAULT_TABLES, REUSE_THRESHOLDS, Trace, TraceStats, default_table_names
 
 __all__ = ["PROFILES", "ReuseProfile", "generate"]
@@ -296,9 +297,12 @@ def _zipf_ranks(n: int, m: int, s: float, rng: np.random.Generator) -> npt.NDArr
     return np.clip(np.floor(x).astype(np.int64) - 1, 0, m - 1)
 
 
+_SMALL_SPACE = 1 << 50  # up to here the draw below is the original one (its traces are recorded)
+
+
 @dataclass(frozen=True)
 class _Permutation:
-    """Rank -> id of each table: ``(a * rank + b[t]) mod m`` with gcd(a, m) = 1."""
+    """Rank -> id of each table: ``(a * rank + b[t]) mod m`` with gcd(a, m) = 1, exact for any m < 2**63."""
 
     a: int
     b: npt.NDArray[np.int64]
@@ -306,27 +310,34 @@ class _Permutation:
 
     @classmethod
     def draw(cls, m: int, tables: int, rng: np.random.Generator) -> _Permutation:
-        top = max(2, min(m, (1 << 62) // m))
-        a = 1
-        for _ in range(64):
-            cand = int(rng.integers(1, top))
-            if math.gcd(cand, m) == 1:
-                a = cand
-                break
+        """Up to :data:`_SMALL_SPACE` ids, a < 2**62 / m as always (a * rank fits in int64; the same draws
+        keep recorded traces). Above it that bound leaves fewer than 4096 multipliers, and above 2**62 / 3
+        only a = 1, a rotation that keeps hot ranks on adjacent ids, so a is any unit in [2, m - 1) instead
+        (never 1 or -1), made exact by ``mulmod``."""
+        if m > _SMALL_SPACE:
+            while True:  # a unit in at least ~1 of 7 draws for any m < 2**63
+                a = int(rng.integers(2, m - 1))
+                if math.gcd(a, m) == 1:
+                    break
+        else:
+            top = max(2, min(m, (1 << 62) // m))
+            a = 1
+            for _ in range(64):
+                cand = int(rng.integers(1, top))
+                if math.gcd(cand, m) == 1:
+                    a = cand
+                    break
         return cls(a, rng.integers(0, m, size=tables, dtype=np.int64), m)
 
     def __call__(self, ranks: np.ndarray, tab: np.ndarray) -> npt.NDArray[np.int64]:
-        x = (np.int64(self.a) * ranks) % np.int64(self.m)  # draw keeps a * rank below 2**62
-        gap = np.int64(self.m) - self.b[tab]  # x + b >= m  <=>  x >= m - b; x + b itself may pass 2**63
-        return np.where(x >= gap, x - gap, x + self.b[tab])
+        return affine_mod(self.a, ranks, self.b[tab], self.m)
 
 
 @njit(cache=True)
 def _affine(a, r, b, m):  # pragma: no cover - numba
     """One rank of :class:`_Permutation`: ``(a * r + b) mod m`` without the int64 overflow of ``a * r + b``
-    (for m > 2**62 that sum wraps, and two ranks would share an id)."""
-    x = (a * r) % m
-    return x - (m - b) if x >= m - b else x + b
+    (for m > 2**62 that sum wraps, and two ranks would share an id; ``a * r`` passes 2**63 above 2**62 / 3)."""
+    return addmod(mulmod(a, r, m), b, m)
 
 
 _NEWCOMER_TRIES = 32  # draws for a newcomer the batch has not used, before a rank keeps its occupant

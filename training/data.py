@@ -44,9 +44,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from embstore.errors import InvalidInputError
+from embstore.modmath import INT64_MAX, affine_mod
 
 log = logging.getLogger("embstore.training.data")
 
@@ -311,7 +313,7 @@ class CriteoReader:
 
 
 # --------------------------------------------------------------------------- synthetic
-_P = np.uint64(2654435761)  # prime: rank -> id scramble, a bijection mod n unless P divides n
+_MULTS = (2654435761, 2147483647, 4294967291)  # primes: rank -> id scramble multipliers, see _multiplier
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
@@ -321,6 +323,18 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
+
+
+def _multiplier(n: int) -> int:
+    """The first of :data:`_MULTS` that does not divide ``n``: a unit mod n, since each is prime and all three
+    dividing n would need n >= their product (> 2**94). 2654435761 for every n it does not divide (as always)."""
+    return next(p for p in _MULTS if n % p)
+
+
+def _synthetic_ids(ranks: np.ndarray, n: int, table: int) -> npt.NDArray[np.int64]:
+    """Ranks in [0, n) -> ids ``(rank * mult + table * 977) mod n``: a bijection of [0, n) for any n up to
+    2**63 - 1, computed exactly (the 64-bit product used to wrap above ~2**64 / mult ids)."""
+    return affine_mod(_multiplier(n), ranks, table * 977 % n, n)
 
 
 def zipf_ranks(rng: np.random.Generator, n: int, alpha: float, size: int) -> np.ndarray:
@@ -366,6 +380,9 @@ class SyntheticClicks:
         object.__setattr__(self, "id_space", tuple(int(x) for x in self.id_space))
         if not self.id_space or min(self.id_space) < 1:
             raise InvalidInputError(f"id_space must list one positive size per table, got {self.id_space}")
+        if max(self.id_space) > INT64_MAX:
+            raise InvalidInputError(f"id_space sizes must be at most 2**63 - 1 (ids are int64), got "
+                                    f"{max(self.id_space)}")
         if self.batch_size < 1 or self.num_batches < 1:
             raise InvalidInputError("batch_size and num_batches must be >= 1")
         if not 0 <= self.bag_min <= self.bag_max or self.bag_max < 1:
@@ -392,10 +409,7 @@ class SyntheticClicks:
         for t, n in enumerate(self.id_space):
             lens = rng.integers(self.bag_min, self.bag_max + 1, b)
             total = int(lens.sum())
-            ranks = zipf_ranks(rng, n, self.zipf_alpha, total).astype(np.uint64)
-            mult = _P if n % int(_P) else np.uint64(2147483647)
-            with np.errstate(over="ignore"):
-                x = ((ranks * mult + np.uint64(t * 977)) % np.uint64(n)).astype(np.int64)
+            x = _synthetic_ids(zipf_ranks(rng, n, self.zipf_alpha, total), n, t)
             o = np.zeros(b + 1, dtype=np.int64)
             np.cumsum(lens, out=o[1:])
             if t < self.signal_tables:
