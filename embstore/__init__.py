@@ -8,7 +8,7 @@ import embstore.numba_cache  # noqa: F401  first: numba cache locators must prec
 from embstore.config import (HashConfig, InitConfig, PolicySpec, RowDType, StoreConfig, TableConfig,
                              TierConfig, TierKind)
 from embstore.errors import (ConfigError, CorruptStoreError, DiskFullError, EmbstoreError, IdOutOfRangeError,
-                             InvalidInputError, InvalidOffsetsError, InvalidRowsError, StoreClosedError,
+                             InvalidInputError, InvalidOffsetsError, InvalidRowsError, StoreClosedError, StoreInUseError,
                              StoreError, StoreExistsError, StoreNotFoundError, TableExistsError, TierIOError,
                              UnknownTableError)
 from embstore.store import Store, create, open
@@ -34,6 +34,7 @@ __all__ = [
     "StoreConfig",
     "StoreError",
     "StoreExistsError",
+    "StoreInUseError",
     "StoreNotFoundError",
     "Table",
     "TableConfig",

@@ -15,7 +15,8 @@ tier boundary with ``raise ... from exc`` so callers only ever catch these::
     │   ├── StoreNotFoundError (FileNotFoundError)
     │   ├── StoreExistsError (FileExistsError)
     │   ├── CorruptStoreError               manifest/config/tier files unreadable
-    │   └── StoreClosedError                use after close()
+    │   ├── StoreClosedError                use after close()
+    │   └── StoreInUseError                 open elsewhere (another process or Store)
     └── TierIOError (OSError)               a tier's read or write failed (EIO, ...)
         └── DiskFullError                   ENOSPC / EDQUOT
 """
@@ -89,6 +90,10 @@ class CorruptStoreError(StoreError):
 
 class StoreClosedError(StoreError):
     """An operation on a store or table after close()."""
+
+
+class StoreInUseError(StoreError):
+    """open() or create() of a store that another open Store holds (in this process or another)."""
 
 
 class TierIOError(EmbstoreError, OSError):

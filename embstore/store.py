@@ -8,6 +8,7 @@
       tables/NAME/       the table's tier files (home/, cache-N.mmap, ...)
       wal/               write-ahead log of ``update_logged`` writes not flushed yet (``embstore.wal``)
       .creating          only while ``create`` runs: what a crash leaves with it is debris, not a store
+      LOCK               flock'ed while a Store has the directory open (see ``_lock_store``)
 
 Both metadata files are written to a temporary file, fsynced and moved into
 place with ``os.replace`` (then the directory is fsynced), so a crash leaves
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -33,7 +35,7 @@ from typing import Any, Iterator
 
 from embstore.atomic import atomic_file, atomic_write, fsync_dir
 from embstore.config import HashKind, StoreConfig, TableConfig
-from embstore.errors import (ConfigError, CorruptStoreError, EmbstoreError, StoreClosedError, StoreExistsError,
+from embstore.errors import (ConfigError, CorruptStoreError, EmbstoreError, StoreClosedError, StoreExistsError, StoreInUseError,
                              StoreNotFoundError, TableExistsError, UnknownTableError, tier_io_error)
 from embstore.hierarchy import Hierarchy
 from embstore.rows import RowFormat, initial_rows
@@ -48,14 +50,16 @@ FORMAT = "embstore/1"
 CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "manifest.json"
 CREATING_FILE = ".creating"
+LOCK_FILE = "LOCK"
 RELAYOUT_FILE = ".relayout"
 
 
 class Store:
     """An open store; use :func:`create` or :func:`open` rather than this constructor."""
 
-    def __init__(self, path: Path, config: StoreConfig, manifest: dict[str, Any]) -> None:
+    def __init__(self, path: Path, config: StoreConfig, manifest: dict[str, Any], lock_fd: int) -> None:
         self.path = path
+        self._lock_fd = lock_fd  # released by close(); by the caller if this constructor raises
         self.config = config
         self._manifest = manifest
         self.tables: dict[str, Table] = {}
@@ -264,6 +268,12 @@ class Store:
             return
         self._closed = True
         try:
+            self._close()
+        finally:  # even after a failure: the tiers are released, and the next open repairs from the log
+            _unlock_store(self._lock_fd)
+
+    def _close(self) -> None:
+        try:
             with self._sync_lock, self._wal_lock:
                 sealed = self._wal.seal()
         except BaseException:  # the tables still flush and close (releasing their tier locks, so that the
@@ -389,6 +399,34 @@ def _adopt_mappings(store_dir: Path, cfg: StoreConfig, base: Path) -> StoreConfi
     return StoreConfig(tuple(tables))
 
 
+def _lock_store(path: Path) -> int:
+    """An exclusive flock on ``STORE/LOCK``, held while a Store has the directory open: a second open
+    (another process, such as ``embstore stats`` beside a server, or this one) would replay and delete the
+    first one's write-ahead log under it, losing acknowledged writes, and write tier files behind its
+    caches. The lock dies with its process, even on SIGKILL. Returns the descriptor that holds it."""
+    lock = path / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise tier_io_error("store", f"opening {lock}", exc) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreInUseError(f"{path} is open elsewhere (another process, such as a server, or another open "
+                              "Store in this one); close it first, or go through the server's HTTP API") from None
+    except OSError as exc:
+        os.close(fd)
+        raise tier_io_error("store", f"locking {lock}", exc) from exc
+    return fd
+
+
+def _unlock_store(fd: int) -> None:
+    """Release what :func:`_lock_store` took (closing the descriptor drops the flock)."""
+    if fd >= 0:
+        os.close(fd)
+
+
 def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> Store:
     """Create a store at ``path`` (which must not hold one) from a config or a TOML file."""
     p = Path(path)
@@ -396,23 +434,31 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
     cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_toml(os.fspath(config))
     if (p / MANIFEST_FILE).exists():
         raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
-    if (p / CREATING_FILE).exists():  # what a create() that died left: nothing in it was acknowledged
-        log.warning("%s holds what an interrupted create() left; removing it to create the store again", p)
-        _remove_contents(p, keep_dir=True)
-    if (p / CONFIG_FILE).exists():
-        raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
-    if p.exists() and (not p.is_dir() or any(p.iterdir())):
-        raise StoreExistsError(f"{p} exists and is not an empty directory")
+    lock_fd = -1
+    try:
+        if (p / CREATING_FILE).exists():  # what a create() that died left: nothing in it was acknowledged
+            lock_fd = _lock_store(p)  # unless that create() is still running
+            log.warning("%s holds what an interrupted create() left; removing it to create the store again", p)
+            _remove_contents(p, keep_dir=True, keep=LOCK_FILE)
+        if (p / CONFIG_FILE).exists():
+            raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
+        if p.exists() and (not p.is_dir() or any(c.name != LOCK_FILE for c in p.iterdir())):
+            raise StoreExistsError(f"{p} exists and is not an empty directory")
+    except BaseException:
+        _unlock_store(lock_fd)
+        raise
     created = not p.exists()
-    p.mkdir(parents=True, exist_ok=True)
     store: Store | None = None
     try:
+        p.mkdir(parents=True, exist_ok=True)
+        if lock_fd < 0:
+            lock_fd = _lock_store(p)
         if created:
             fsync_dir(p.parent)
         _mark(p / CREATING_FILE)  # until the manifest is in place, the folder is debris
         cfg = _adopt_mappings(p, cfg, Path(os.fspath(config)).parent if from_file else Path.cwd())
         manifest = {"format": FORMAT, "tables": {t.name: _entry(t, 0) for t in cfg.tables}}
-        store = Store(p, cfg, manifest)  # builds every tier: a refused one (a capacity below a row) raises here
+        store = Store(p, cfg, manifest, lock_fd)  # builds every tier: a refused one (a capacity below a row) raises
         _write_config(p, cfg)
         _write_manifest(p, manifest)  # the commit: from here open() takes it
         (p / CREATING_FILE).unlink()
@@ -420,46 +466,47 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
     except BaseException:  # leave no half-made store behind, which neither open() nor a second create() takes
         if store is not None:
             close_all(list(store.tables.values()))
-        _remove_contents(p, keep_dir=not created)
+        if lock_fd >= 0 or created:  # never a folder another create() holds
+            _remove_contents(p, keep_dir=not created)
+        _unlock_store(lock_fd)
         raise
     log.info("created store %s with tables %s", p, [t.name for t in cfg.tables])
     return store
 
 
-def _remove_contents(path: Path, keep_dir: bool) -> None:
-    """Delete what create() wrote under ``path`` (and ``path`` itself unless it was there before)."""
+def _remove_contents(path: Path, keep_dir: bool, keep: str | None = None) -> None:
+    """Delete what create() wrote under ``path`` (and ``path`` itself unless it was there before), but
+    not the file named ``keep``."""
     if not keep_dir:
         shutil.rmtree(path, ignore_errors=True)
         return
     for child in path.iterdir():
+        if child.name == keep:
+            continue
         shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
-    """Reopen a store created by :func:`create`."""
+    """Reopen a store created by :func:`create`; refused (``StoreInUseError``) while another Store has it open."""
     p = Path(path)
     if not (p / MANIFEST_FILE).exists():
         if (p / CREATING_FILE).exists():
             raise StoreNotFoundError(f"no embstore store at {p}: its create() was interrupted (it holds "
                                      f"{CREATING_FILE}); create it again")
         raise StoreNotFoundError(f"no embstore store at {p} (missing {MANIFEST_FILE})")
+    lock_fd = _lock_store(p)
+    store: Store | None = None
     try:
-        manifest = json.loads((p / MANIFEST_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise CorruptStoreError(f"{p / MANIFEST_FILE} cannot be read: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("tables"), dict):
-        raise CorruptStoreError(f"{p / MANIFEST_FILE} is not an {FORMAT} manifest")
-    _check_entries(p / MANIFEST_FILE, manifest["tables"])
-    try:
-        cfg = StoreConfig.from_toml(p / CONFIG_FILE)
-    except ConfigError as exc:
-        raise CorruptStoreError(f"{p / CONFIG_FILE} cannot be read: {exc}") from exc
-    missing = sorted(set(manifest["tables"]) - {t.name for t in cfg.tables})
-    if missing:
-        raise CorruptStoreError(f"{p / CONFIG_FILE} lacks table {missing[0]!r} listed in the manifest")
-    added = _add_config_tables(p, cfg, manifest)
-    store = Store(p, cfg, manifest)
-    try:
+        manifest = _read_manifest(p)
+        try:
+            cfg = StoreConfig.from_toml(p / CONFIG_FILE)
+        except ConfigError as exc:
+            raise CorruptStoreError(f"{p / CONFIG_FILE} cannot be read: {exc}") from exc
+        missing = sorted(set(manifest["tables"]) - {t.name for t in cfg.tables})
+        if missing:
+            raise CorruptStoreError(f"{p / CONFIG_FILE} lacks table {missing[0]!r} listed in the manifest")
+        added = _add_config_tables(p, cfg, manifest)
+        store = Store(p, cfg, manifest, lock_fd)
         if added:
             _write_manifest(p, manifest)
             log.warning("%s: table(s) %s were in %s but not in %s (a create_table interrupted, or added by "
@@ -467,7 +514,9 @@ def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
                         CONFIG_FILE, MANIFEST_FILE)
         store._replay_log()
     except BaseException:
-        close_all(list(store.tables.values()))
+        if store is not None:
+            close_all(list(store.tables.values()))
+        _unlock_store(lock_fd)
         raise
     if (p / CREATING_FILE).exists():  # create() died after its manifest: the store is whole
         try:
@@ -475,6 +524,18 @@ def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
         except OSError as exc:  # harmless where it stays: create() refuses a folder with a manifest
             log.warning("could not remove %s: %s", p / CREATING_FILE, exc)
     return store
+
+
+def _read_manifest(p: Path) -> dict[str, Any]:
+    """The store's manifest, checked: a ``CorruptStoreError`` if it cannot be read or is not one."""
+    try:
+        manifest = json.loads((p / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CorruptStoreError(f"{p / MANIFEST_FILE} cannot be read: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("tables"), dict):
+        raise CorruptStoreError(f"{p / MANIFEST_FILE} is not an {FORMAT} manifest")
+    _check_entries(p / MANIFEST_FILE, manifest["tables"])
+    return manifest
 
 
 def _add_config_tables(path: Path, cfg: StoreConfig, manifest: dict[str, Any]) -> list[str]:

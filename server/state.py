@@ -6,9 +6,9 @@ for as long as it uses it. Leases are counted on the event loop, so no lock is
 needed. A reload closes the gate to new leases (arrivals wait, they do not
 fail), waits until the leases in flight are returned, then - shielded from
 cancellation - flushes the old store, closes it and opens the new one, and
-reopens the gate. The store is not opened twice at once because a store's tier
-files are exclusive to one open store (mmap homes flock, RocksDB locks, cache
-files are rebuilt on open). A reload whose flush fails (a full disk, EIO) is
+reopens the gate. The store is not opened twice at once: an open store holds
+an exclusive flock on ``STORE/LOCK``, so the reopen waits for the close, and a
+CLI verb run on a served store is refused. A reload whose flush fails (a full disk, EIO) is
 refused and the old store goes on serving, its unflushed rows still in memory:
 closing it would drop every acknowledged row that is not yet in its home (all
 of them without durable writes), and with durable writes the reopen's replay

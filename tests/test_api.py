@@ -19,7 +19,8 @@ def test_public_namespace_is_pinned() -> None:
     assert embstore.__all__ == [
         "ConfigError", "CorruptStoreError", "DiskFullError", "EmbstoreError", "HashConfig", "IdOutOfRangeError",
         "InitConfig", "InvalidInputError", "InvalidOffsetsError", "InvalidRowsError", "PolicySpec", "RowDType",
-        "Store", "StoreClosedError", "StoreConfig", "StoreError", "StoreExistsError", "StoreNotFoundError",
+        "Store", "StoreClosedError", "StoreConfig", "StoreError", "StoreExistsError", "StoreInUseError",
+        "StoreNotFoundError",
         "Table", "TableConfig", "TableExistsError", "TierConfig", "TierIOError", "TierKind",
         "UnknownTableError", "create", "open"]
     assert issubclass(embstore.IdOutOfRangeError, ValueError)
