@@ -33,13 +33,37 @@ Why these choices:
   While the disk is still full that reopen fails, the write raises
   DiskFullError, and a read-only handle keeps reads working until a later
   write finds space again.
+- Back-off while the disk stays full: a reopen costs 8-230 ms (it replays the
+  WAL), so after one fails with ENOSPC further writes and flushes fail fast with
+  DiskFullError ("still full, retry later") for a window that doubles with each
+  failed reopen, from 0.1 s up to 5 s, and the first write after the window
+  tries again; a write also tries at once when the disk has gained 1 MiB of free
+  space since (an operator freed space: no need to wait out the window). A
+  successful reopen resets the window. Reads never wait (they use the
+  read-only handle), and close() always tries, being the last chance to sync.
+- Damage: an existing database is checked before RocksDB opens it, because
+  RocksDB silently opens what it can and then deletes the SST files no longer
+  listed: a ``CURRENT`` that does not name a ``MANIFEST-*`` file, a missing or
+  empty manifest, or one whose last record is cut short (truncated: RocksDB
+  would drop the edits after the cut, and with them the SST files they list)
+  is :class:`CorruptStoreError`, and so is every error RocksDB's own open
+  reports as corruption (a missing, truncated or garbled SST file, a garbled
+  manifest). A manifest cut exactly between two records cannot be told from
+  an older one and still opens. ``OPTIONS-*`` files are not damage: every
+  option is passed at open, RocksDB reads none of them and writes a fresh one.
+  A ``LOCK`` held by another open handle (a store open in this or another
+  process) is not damage either: :class:`TierIOError` with errno ``EAGAIN``,
+  like the mmap tier's lock, to retry once that handle is closed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import operator
 import os
+import re
+import struct
 import time
 from collections import deque
 from itertools import repeat
@@ -52,8 +76,10 @@ from embstore.arrays import Ids, Mask, RowBytes, as_ids
 from embstore.errors import (
     ConfigError,
     CorruptStoreError,
+    DiskFullError,
     IdOutOfRangeError,
     StoreClosedError,
+    TierIOError,
     tier_io_error,
 )
 from embstore.tiers.base import Tier
@@ -63,6 +89,11 @@ _BLOOM_BITS_PER_KEY = 10  # ~1% false positives: misses rarely touch a data bloc
 MEMTABLES = 2  # max_write_buffer_number: the memtable being written and one being flushed
 _STALL_PREFIX = "Result incomplete"  # rocksdict's text for Status::Incomplete (write stall)
 _STALL_SLEEP_MIN, _STALL_SLEEP_MAX = 1e-4, 0.05
+_REOPEN_BACKOFF_MIN, _REOPEN_BACKOFF_MAX = 0.1, 5.0  # seconds writes fail fast after a reopen failed for space
+_FREED_BYTES = 1 << 20  # free space gained since that failure that makes the next write try at once
+_LOG_BLOCK, _LOG_HEADER = 32768, 7  # RocksDB log files (the MANIFEST): 32 KiB blocks, crc32c + length + type
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4  # record types: whole record, or its first/middle/last fragment
+_CURRENT = re.compile(rb"MANIFEST-[0-9]+\n")
 
 
 def pack_keys(ids: Ids) -> list[bytes]:
@@ -74,12 +105,79 @@ def _is_corruption(exc: BaseException) -> bool:
     return str(exc).startswith("Corruption")
 
 
+def _is_lock_error(exc: BaseException) -> bool:
+    """RocksDB's refusal of a database another handle has open: "While lock file: .../LOCK: Resource
+    temporarily unavailable" (another process), "lock hold by current process" (this one)."""
+    text = str(exc)
+    return "/LOCK:" in text and ("While lock file" in text or "lock hold by current process" in text)
+
+
+def _torn_record(block: bytes) -> int | None:
+    """Offset in ``block``, the last block of a RocksDB log file, of a record cut short by the end of
+    the file; None when the file ends after a whole record.
+
+    Every 32 KiB block starts with a record header (a record that does not fit is split into
+    fragments), so the last block's framing is walked without the ones before it. Only framing is
+    judged, not checksums (RocksDB checks those and reports corruption); framing this walk does not
+    expect (an unknown type, a length past the block) is left to RocksDB too.
+    """
+    pos, kind, at = 0, _FULL, 0
+    while len(block) - pos >= _LOG_HEADER and _LOG_BLOCK - pos >= _LOG_HEADER:
+        length, new_kind = struct.unpack_from("<HB", block, pos + 4)
+        if new_kind not in (_FULL, _FIRST, _MIDDLE, _LAST) or pos + _LOG_HEADER + length > _LOG_BLOCK:
+            return None
+        if pos + _LOG_HEADER + length > len(block):
+            return pos  # the payload runs past the end of the file
+        kind, at, pos = new_kind, pos, pos + _LOG_HEADER + length
+    if pos < len(block) and _LOG_BLOCK - pos >= _LOG_HEADER:
+        return pos  # a header cut short (a block's last 6 bytes or fewer are zero padding, not a header)
+    return at if kind in (_FIRST, _MIDDLE) else None  # a record whose last fragment is missing
+
+
+def _free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system holding ``path``."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class _FullDiskBackoff:
+    """When writes on a full disk may try another reopen (module docstring, "Back-off")."""
+
+    def __init__(self) -> None:
+        self.window = 0.0  # seconds; 0 while the last reopen did not fail for space
+        self.failed_at = 0.0
+        self.free: int | None = None  # free bytes just after that failure
+        self.reason = ""
+
+    def failed(self, now: float, free: int | None, reason: str) -> None:
+        self.window = min(2 * self.window, _REOPEN_BACKOFF_MAX) if self.window else _REOPEN_BACKOFF_MIN
+        self.failed_at, self.free, self.reason = now, free, reason
+
+    def reset(self) -> None:
+        self.window = 0.0
+
+    def wait(self, now: float, free: int | None) -> float:
+        """Seconds until a write may try a reopen; 0 when it may now (window over, or space freed)."""
+        left = self.failed_at + self.window - now if self.window else 0.0
+        if left <= 0 or (free is not None and self.free is not None and free >= self.free + _FREED_BYTES):
+            return 0.0
+        return left
+
+
 class RocksDBTier(Tier):
     """A persistent tier over a RocksDB database in ``directory``.
 
-    ``directory`` is created when missing or empty; an existing non-empty
-    directory must hold a RocksDB database (a ``CURRENT`` file), else
-    :class:`CorruptStoreError`.
+    ``directory`` is created when missing or empty: a new, empty tier, since a
+    deleted database cannot be told from one never made; a caller that knows the
+    tier was made before (a store reopening its table) passes ``create=False``,
+    and then a missing or empty directory is :class:`CorruptStoreError`. An
+    existing non-empty directory must hold an undamaged RocksDB database (a
+    ``CURRENT`` file naming a whole manifest; see the module docstring,
+    "Damage"), else :class:`CorruptStoreError`. A database another handle has
+    open is :class:`TierIOError` with errno ``EAGAIN``, to retry once it is closed.
 
     block_cache:  bytes of RocksDB's LRU block cache (uncompressed data blocks).
     write_buffer: bytes of one memtable before it is flushed to an SST file.
@@ -99,7 +197,7 @@ class RocksDBTier(Tier):
 
     def __init__(self, directory: str | os.PathLike[str], row_bytes: int,
                  block_cache: int = 64 << 20, write_buffer: int = 64 << 20,
-                 compression: str = "none") -> None:
+                 compression: str = "none", create: bool = True) -> None:
         super().__init__(row_bytes)
         if compression not in COMPRESSIONS:
             raise ConfigError("compression", f"unknown compression {compression!r}; "
@@ -110,16 +208,19 @@ class RocksDBTier(Tier):
             raise ConfigError("write_buffer", f"must be >= 64 KiB, got {write_buffer}")
         self.path = os.fspath(directory)
         self._zero_row = bytes(self.row_bytes)  # the multi-get default; identity marks "absent"
-        self._check_directory()
+        self._check_directory(create)
         self._opts = self._options(int(block_cache), int(write_buffer), compression)
         self._failed = False  # a write or WAL sync failed: the handle may hold a sticky background error
+        self._backoff = _FullDiskBackoff()
+        self._clock: Callable[[], float] = time.monotonic  # of the back-off; tests substitute their own
         try:
             self._db: Any = self._open()
         except Exception as exc:  # noqa: BLE001 - rocksdict raises bare Exception
-            if _is_corruption(exc) or "Invalid argument" in str(exc):
+            # a file the manifest names has vanished since _check_directory ("No such file"): damage too
+            if _is_corruption(exc) or "Invalid argument" in str(exc) or "No such file" in str(exc):
                 raise CorruptStoreError(f"rocksdb tier: {self.path} is not a readable RocksDB "
                                         f"database: {exc}") from exc
-            raise tier_io_error("rocksdb", f"open {self.path}", exc) from exc
+            raise self._error(f"open {self.path}", exc) from exc
         self._write_opts = rocksdict.WriteOptions()
         self._write_opts.no_slowdown = True  # see _write
         self._check_first_row()
@@ -168,18 +269,58 @@ class RocksDBTier(Tier):
                 db.close()
         del db
 
-    def _check_directory(self) -> None:
-        """Create a missing directory; refuse a non-empty one that holds no database."""
+    def _check_directory(self, create: bool) -> None:
+        """Create a missing directory (unless ``create`` is off); refuse a non-empty one that holds no
+        database, or a damaged one."""
         try:
-            os.makedirs(self.path, exist_ok=True)
+            if create:
+                os.makedirs(self.path, exist_ok=True)
             entries = os.listdir(self.path)
         except (FileExistsError, NotADirectoryError) as exc:
             raise CorruptStoreError(f"rocksdb tier: {self.path} is not a directory") from exc
+        except FileNotFoundError as exc:
+            raise CorruptStoreError(f"rocksdb tier: {self.path} is missing, yet the tier was created "
+                                    "before: its database was deleted") from exc
         except OSError as exc:
             raise tier_io_error("rocksdb", f"open {self.path}", exc) from exc
+        if not entries and not create:
+            raise CorruptStoreError(f"rocksdb tier: {self.path} is empty, yet the tier was created before: "
+                                    "its database was deleted")
         if entries and "CURRENT" not in entries:
             raise CorruptStoreError(f"rocksdb tier: {self.path} is not a RocksDB database "
                                     f"(non-empty and no CURRENT file)")
+        if entries:
+            self._check_manifest()
+
+    def _check_manifest(self) -> None:
+        """Refuse a CURRENT that names no manifest, and a missing, empty or truncated manifest, before
+        RocksDB opens what it can of it and deletes the SST files it no longer lists."""
+        try:
+            with open(os.path.join(self.path, "CURRENT"), "rb") as f:
+                current = f.read(256)
+        except OSError as exc:
+            raise tier_io_error("rocksdb", f"read {self.path}/CURRENT", exc) from exc
+        if not _CURRENT.fullmatch(current):
+            raise CorruptStoreError(f"rocksdb tier: {self.path}/CURRENT is damaged: it should name the "
+                                    f"MANIFEST file on one line, it holds {current[:40]!r}")
+        manifest = os.path.join(self.path, current.decode().strip())
+        try:
+            with open(manifest, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                start = (size - 1) // _LOG_BLOCK * _LOG_BLOCK if size else 0
+                f.seek(start)
+                torn = _torn_record(f.read(_LOG_BLOCK))
+        except FileNotFoundError as exc:
+            raise CorruptStoreError(f"rocksdb tier: {manifest} is missing (named by "
+                                    f"{self.path}/CURRENT): the database's file list is lost") from exc
+        except OSError as exc:
+            raise tier_io_error("rocksdb", f"read {manifest}", exc) from exc
+        if size == 0:
+            raise CorruptStoreError(f"rocksdb tier: {manifest} is empty: the database's file list is lost")
+        if torn is not None:
+            raise CorruptStoreError(f"rocksdb tier: {manifest} is truncated: its record at byte "
+                                    f"{start + torn} is cut short by the end of the file ({size} bytes); "
+                                    "opening it would drop the SST files its lost records list")
 
     @staticmethod
     def _options(block_cache: int, write_buffer: int, compression: str) -> Any:
@@ -220,19 +361,41 @@ class RocksDBTier(Tier):
     def _error(self, op: str, exc: BaseException) -> Exception:
         if _is_corruption(exc):
             return CorruptStoreError(f"rocksdb tier at {self.path}: {op} found corruption: {exc}")
+        if _is_lock_error(exc):
+            return TierIOError("rocksdb", op, errno.EAGAIN, f"{self.path} is in use by another open handle "
+                                                            f"(a store open in this or another process); "
+                                                            f"close that one, then retry ({exc})")
         return tier_io_error("rocksdb", op, exc)
 
     def _handle(self, op: str, write: bool = False) -> Any:
         """The handle for ``op``: reopened first when it is missing or, for a write, may hold a
-        sticky error from an earlier failure (see the module docstring, "Recovery")."""
+        sticky error from an earlier failure (see the module docstring, "Recovery"); a write on a
+        disk still full fails fast instead ("Back-off")."""
         if self.closed:
             raise StoreClosedError(f"rocksdb tier at {self.path} is closed")
+        if write and self._failed:
+            self._check_backoff(op)
         if self._db is None or (write and self._failed):
             try:
                 self._reopen()
             except Exception as exc:  # noqa: BLE001
-                raise self._error(op, exc) from exc
+                err = self._error(op, exc)
+                if isinstance(err, DiskFullError):
+                    self._backoff.failed(self._clock(), _free_bytes(self.path), str(exc))
+                raise err from exc
+            self._backoff.reset()
         return self._db
+
+    def _check_backoff(self, op: str) -> None:
+        """DiskFullError, without a reopen, while the last reopen failed for space too recently."""
+        now = self._clock()
+        wait = self._backoff.wait(now, _free_bytes(self.path))
+        if wait > 0:
+            raise DiskFullError("rocksdb", op, errno.ENOSPC,
+                                f"the disk holding {self.path} is still full (reopening the database failed "
+                                f"{now - self._backoff.failed_at:.2f} s ago: {self._backoff.reason}); "
+                                f"free space and retry later: writes try again in {wait:.2f} s, or at once "
+                                "when space is freed")
 
     def _keys(self, ids: Any) -> tuple[Ids, list[bytes]]:
         if self.closed:
