@@ -41,7 +41,7 @@ from embstore.hierarchy import Hierarchy
 from embstore.rows import RowFormat, initial_rows
 from embstore.table import Table
 from embstore.tiers.base import close_all
-from embstore.tiers.factory import build_tiers
+from embstore.tiers.factory import HOME_DIR, build_tiers
 from embstore.wal import WAL_DIR, WriteAheadLog, read_records
 
 log = logging.getLogger("embstore.store")
@@ -57,7 +57,10 @@ RELAYOUT_FILE = ".relayout"
 class Store:
     """An open store; use :func:`create` or :func:`open` rather than this constructor."""
 
-    def __init__(self, path: Path, config: StoreConfig, manifest: dict[str, Any], lock_fd: int) -> None:
+    def __init__(self, path: Path, config: StoreConfig, manifest: dict[str, Any], lock_fd: int,
+                 fresh: frozenset[str] = frozenset()) -> None:
+        """``fresh``: the tables being created (by ``create``, or added from the config), whose homes do not
+        exist yet; every other table's home must."""
         self.path = path
         self._lock_fd = lock_fd  # released by close(); by the caller if this constructor raises
         self.config = config
@@ -69,13 +72,13 @@ class Store:
         self._sync_lock = threading.Lock()  # one log sync or seal at a time (WriteAheadLog.synced); then _wal_lock
         try:
             for cfg in config.tables:
-                self.tables[cfg.name] = self._open_table(cfg)
+                self.tables[cfg.name] = self._open_table(cfg, fresh=cfg.name in fresh)
         except BaseException:  # release the tables opened so far: their tier locks would bar a retry
             close_all(list(self.tables.values()))
             raise
 
     # --- tables --------------------------------------------------------------------
-    def _open_table(self, cfg: TableConfig, entry: dict[str, Any] | None = None) -> Table:
+    def _open_table(self, cfg: TableConfig, entry: dict[str, Any] | None = None, fresh: bool = False) -> Table:
         entry = entry if entry is not None else self._manifest["tables"].get(cfg.name)
         if entry is None:
             raise CorruptStoreError(f"{self.path / MANIFEST_FILE}: table {cfg.name!r} is in the config "
@@ -95,12 +98,21 @@ class Store:
         fmt = RowFormat(dim, cfg.dtype, int(entry.get("state_dim", 0)))
         num_rows = mapper.num_rows if mapper is not None else cfg.num_embeddings
         table_dir = self.path / entry["dir"]
+        relayout = (table_dir / RELAYOUT_FILE).exists()  # ensure_state_dim's old tier files, partly deleted maybe
+        if not fresh and not relayout:
+            _check_home_present(table_dir / HOME_DIR, cfg.name)
         table_dir.mkdir(parents=True, exist_ok=True)
-        if (table_dir / RELAYOUT_FILE).exists():  # ensure_state_dim's old tier files, partly deleted maybe
-            _clear_tier_files(table_dir, drop_mark=True)
+        if relayout:
+            _clear_tier_files(table_dir)
         caches, home = build_tiers(cfg.tiers, fmt.row_bytes, num_rows, table_dir)
-        hierarchy = Hierarchy(caches, home, lambda ids: _initial(cfg, fmt, ids))
-        return Table(cfg, fmt, hierarchy, mapper)
+        table = Table(cfg, fmt, Hierarchy(caches, home, lambda ids: _initial(cfg, fmt, ids)), mapper)
+        if relayout:
+            try:
+                _drop_relayout_mark(table_dir)
+            except BaseException:
+                close_all([table])
+                raise
+        return table
 
     def __getitem__(self, name: str) -> Table:
         self._check_open()
@@ -133,7 +145,7 @@ class Store:
             cfg = _adopt_mappings(self.path, StoreConfig((cfg,)), Path.cwd()).tables[0]  # copies a learned map in
             entry = manifest["tables"][cfg.name] = _entry(cfg, state_dim)  # with the adopted mapping's path
             new_config = StoreConfig((*self.config.tables, cfg))
-            table = self._open_table(cfg, entry)  # validates hash files etc. before anything is persisted
+            table = self._open_table(cfg, entry, fresh=True)  # validates hash files etc. before anything is persisted
             _write_config(self.path, new_config)  # from here a crash leaves the table, added by the next open
             _write_manifest(self.path, manifest)
         except BaseException:
@@ -305,6 +317,24 @@ def _initial(cfg: TableConfig, fmt: RowFormat, ids: Any) -> Any:
     return fmt.encode(initial_rows(cfg.init, ids, fmt.dim))
 
 
+def _check_home_present(home: Path, name: str) -> None:
+    """CorruptStoreError when the home of a table made before is gone or empty: each home kind would
+    otherwise make a new, empty one in its place, and every row of the table would silently read as its
+    initial value."""
+    try:
+        present = any(home.iterdir())
+    except FileNotFoundError:
+        present = False
+    except NotADirectoryError:
+        present = True  # the home tier says what is wrong with it
+    except OSError as exc:
+        raise tier_io_error("store", f"listing {home}", exc) from exc
+    if not present:
+        raise CorruptStoreError(f"{home}: the home of table {name!r}, which holds its rows, is missing or empty "
+                                "(deleted?); restore it from a backup, or remove the table from config.toml and "
+                                "manifest.json to drop it")
+
+
 def _layout(cfg: TableConfig) -> dict[str, Any]:
     """What fixes how a table's stored rows read back; recorded at creation, checked at every open
     (stores made before it was recorded are not checked)."""
@@ -360,20 +390,27 @@ def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     _write_file(path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True).encode())
 
 
-def _clear_tier_files(folder: Path, drop_mark: bool = False) -> None:
+def _clear_tier_files(folder: Path) -> None:
     """Delete the tier files of a table that holds no rows; its learned-hash mapping (``hash*``, named by
-    the config) stays. The re-layout mark goes last, and only with ``drop_mark``: once that is durable,
-    rows may land in the new tiers, which the next open must not clear."""
+    the config) and a re-layout mark stay."""
     try:
         for item in folder.iterdir():
             if not item.name.startswith("hash") and item.name != RELAYOUT_FILE:
                 shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
         fsync_dir(folder)
-        if drop_mark:
-            (folder / RELAYOUT_FILE).unlink()
-            fsync_dir(folder)
     except OSError as exc:
         raise tier_io_error("store", f"deleting the tier files in {folder}", exc) from exc
+
+
+def _drop_relayout_mark(folder: Path) -> None:
+    """End a re-layout once its new tiers are built: until the mark is gone, a crash leaves tier files the
+    next open deletes (they hold no rows); once it is, rows may land in them, and a table without its home
+    is damage (:func:`_check_home_present`)."""
+    try:
+        (folder / RELAYOUT_FILE).unlink()
+        fsync_dir(folder)
+    except OSError as exc:
+        raise tier_io_error("store", f"removing {folder / RELAYOUT_FILE}", exc) from exc
 
 
 def _adopt_mappings(store_dir: Path, cfg: StoreConfig, base: Path) -> StoreConfig:
@@ -458,7 +495,8 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
         _mark(p / CREATING_FILE)  # until the manifest is in place, the folder is debris
         cfg = _adopt_mappings(p, cfg, Path(os.fspath(config)).parent if from_file else Path.cwd())
         manifest = {"format": FORMAT, "tables": {t.name: _entry(t, 0) for t in cfg.tables}}
-        store = Store(p, cfg, manifest, lock_fd)  # builds every tier: a refused one (a capacity below a row) raises
+        store = Store(p, cfg, manifest, lock_fd, fresh=frozenset(t.name for t in cfg.tables))  # builds every
+        # tier: a refused one (a capacity below a row) raises
         _write_config(p, cfg)
         _write_manifest(p, manifest)  # the commit: from here open() takes it
         (p / CREATING_FILE).unlink()
@@ -506,7 +544,7 @@ def open(path: str | os.PathLike) -> Store:  # noqa: A001 - the SPEC's name
         if missing:
             raise CorruptStoreError(f"{p / CONFIG_FILE} lacks table {missing[0]!r} listed in the manifest")
         added = _add_config_tables(p, cfg, manifest)
-        store = Store(p, cfg, manifest, lock_fd)
+        store = Store(p, cfg, manifest, lock_fd, fresh=frozenset(added))
         if added:
             _write_manifest(p, manifest)
             log.warning("%s: table(s) %s were in %s but not in %s (a create_table interrupted, or added by "

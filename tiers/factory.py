@@ -10,6 +10,8 @@ from embstore.policies import MAX_CAPACITY
 from embstore.tiers.base import Tier
 from embstore.tiers.cache import CacheTier, DeviceTier, DRAMTier, MmapCacheTier
 
+HOME_DIR = "home"  # the home tier's folder inside its table's folder
+
 
 def capacity_rows(tier: TierConfig, row_bytes: int) -> int:
     """Rows a cache tier's byte capacity holds; an error when not even one fits."""
@@ -38,7 +40,7 @@ def build_cache(tier: TierConfig, level: int, row_bytes: int, num_rows: int, dir
 
 def build_home(tier: TierConfig, row_bytes: int, num_rows: int, directory: Path) -> Tier:
     """The persistent tier that holds every row; created on first open."""
-    home_dir = directory / "home"
+    home_dir = directory / HOME_DIR
     if tier.kind is TierKind.SSD:
         from embstore.tiers.ssd import SSDTier
         from embstore.tiers.ssd_log import LogSSDTier
