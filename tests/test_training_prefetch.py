@@ -97,6 +97,33 @@ def test_unprefetched_batch_is_fetched_on_demand_and_stays_correct(tmp_path) -> 
     store.close()
 
 
+def test_a_forward_that_skips_prefetched_batches_drops_them(tmp_path, caplog) -> None:
+    """Batches 0-3 prefetched by hand, then batches 1-3 forwarded: batch 0 was skipped, so it is dropped
+    (its rows unpinned) and 1-3 still come from the look-ahead. Left at the head of the queue, it kept every
+    later batch from matching (all demand fetches) and its rows pinned."""
+    batches = random_batches(9, 4, [ROWS, ROWS], batch=16, max_len=6, dim=DIM)
+    store = cold_store(tmp_path / "s", "adagrad")
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer="adagrad", lr=0.1)
+    ref = TorchReference([initial_weights(store, n) for n in ("a", "b")], "adagrad", 0.1)
+    for ids, offs, _ in batches:
+        ebc.prefetch(ids, offs)
+    for ids, offs, w in batches[1:]:
+        out = ebc(ids, offs)
+        loss_of(out, w).backward()
+        assert rel_err(out.detach().numpy(), ref.step(ids, offs, w).numpy()) <= 1e-5
+    assert "skipped 1 prefetched batch" in caplog.text
+    assert ebc.counters["demand_misses"] == 0
+    with torch.no_grad():
+        ebc(*batches[0][:2])  # a batch that matches nothing queued: fetched on demand, the queue untouched
+    assert ebc.counters["demand_misses"] > 0
+    assert ebc._queue == collections.deque()
+    assert ebc.stats()["working_set_rows"] == {"a": 0, "b": 0}
+    ebc.flush()
+    for n, want in zip(("a", "b"), ref.weights()):
+        assert rel_err(store[n].read_with_state(np.arange(ROWS))[0], want) <= 1e-5
+    store.close()
+
+
 def test_keyed_batches_through_pipeline(tmp_path) -> None:
     from embstore.training import KeyedJaggedBatch
 
@@ -198,7 +225,7 @@ def test_a_pipeline_left_early_drops_its_look_ahead(tmp_path, caplog, leave) -> 
     for ids, offs, w in ebc.pipeline(batches[6:], lookahead=3, sparse=lambda b: b[:2]):
         loss_of(ebc(ids, offs), w).backward()
         ref.step(ids, offs, w)
-    assert "other than the next prefetched" not in caplog.text
+    assert "not prefetched" not in caplog.text and "skipped" not in caplog.text
     assert ebc.counters["demand_misses"] == misses
     assert ebc.stats()["working_set_rows"] == {"a": 0, "b": 0}
     ebc.flush()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import itertools
 import logging
 import threading
 import time
@@ -397,14 +398,23 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise
 
     def _take_prefetched(self, id_list: list[np.ndarray], off_list: list[np.ndarray]) -> _Batch | None:
-        if not self._queue:
+        """The queued batch equal to this forward's, or None (then it is fetched on demand).
+
+        Batches queued before it were skipped (a loop that passed over a batch, a manual ``prefetch`` never
+        forwarded): they are dropped, their rows unpinned. Left at the head of the queue, they would keep
+        every later forward from matching and their rows pinned for good. A batch that matches none (say
+        an evaluation batch between training ones) leaves the queue as it is."""
+        at = next((i for i, b in enumerate(self._queue)
+                   if all(np.array_equal(a, c) for a, c in zip(b.ids, id_list))
+                   and all(np.array_equal(a, c) for a, c in zip(b.offsets, off_list))), None)
+        if at is None:
+            if self._queue:
+                log.warning("forward got a batch that was not prefetched; fetching it on demand")
             return None
-        b = self._queue[0]
-        if not (all(np.array_equal(a, c) for a, c in zip(b.ids, id_list))
-                and all(np.array_equal(a, c) for a, c in zip(b.offsets, off_list))):
-            log.warning("forward got a batch other than the next prefetched one; fetching it on demand")
-            return None
-        self._queue.popleft()
+        if at:
+            log.warning("forward skipped %d prefetched batch(es); dropping them", at)
+            self._drop_prefetched(list(itertools.islice(self._queue, at)))
+        b = self._queue.popleft()
         assert b.future is not None
         if not b.future.done():
             t0 = time.perf_counter()
