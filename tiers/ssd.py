@@ -372,7 +372,7 @@ class SSDTier(Tier):
     def _header(self, resident: int, crc: int) -> bytes:
         return _BITMAP_HEADER.pack(_BITMAP_MAGIC, self.num_rows, self.row_bytes, self.block_bytes, resident, crc)
 
-    def _load_bitmap(self) -> tuple[np.ndarray, int]:
+    def _load_bitmap(self) -> tuple[np.ndarray, int, int]:
         path = self.path / BITMAP_FILE
         data = path.read_bytes()
         nbytes = (self.num_rows + 7) // 8
