@@ -98,6 +98,15 @@ def _check_keys(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
         raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(allowed))}")
 
 
+def _check_applies(data: Mapping[str, Any], applies: set[str], where: str, what: str) -> None:
+    """Refuse a known key that ``what`` (a kind of tier or hash) has no use for: ignoring it silently
+    would leave the user believing it took effect."""
+    misplaced = sorted(set(data) - applies)
+    if misplaced:
+        raise ConfigError(f"{where}.{misplaced[0]}", f"does not apply to {what}; its keys: "
+                                                     f"{', '.join(sorted(applies))}")
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     """An eviction policy plus an optional TinyLFU admission filter (``"lru+tinylfu"``)."""
@@ -171,13 +180,10 @@ class TierConfig:
         tier = cls(**dict(data))
         cache = tier.capacity is not None or not tier.kind.can_be_home
         applies = cls._APPLIES[tier.kind] | ({"policy"} if cache else set())
-        misplaced = sorted(set(data) - applies)
-        if misplaced == ["policy"]:  # silently ignored, either would mislead
+        if sorted(set(data) - applies) == ["policy"]:  # silently ignored, either would mislead
             raise ConfigError("tiers.policy", f"only a cache tier (one with a capacity) has a policy; this "
                                               f"{tier.kind.value!r} tier is a home")
-        if misplaced:
-            raise ConfigError(f"tiers.{misplaced[0]}", f"does not apply to a {tier.kind.value!r} tier; its keys: "
-                                                       f"{', '.join(sorted(applies))}")
+        _check_applies(data, applies, "tiers", f"a {tier.kind.value!r} tier")
         return tier
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,6 +237,10 @@ class HashConfig:
     mapping: str | None = None  # learned: path of the fitted mapping
 
     _ALLOWED = {"kind", "seed", "collisions", "combine", "mapping"}
+    _APPLIES = {  # keys a TOML hash of each kind may carry; to_dict writes exactly these
+        HashKind.NONE: {"kind"}, HashKind.MOD: {"kind", "seed"}, HashKind.QR: {"kind", "collisions", "combine"},
+        HashKind.LEARNED: {"kind", "mapping"},
+    }
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _enum(HashKind, self.kind, "hash.kind"))
@@ -250,7 +260,9 @@ class HashConfig:
         if not isinstance(data, Mapping):
             raise ConfigError("hash", f"expected a table like {{ kind = 'mod' }}, got {data!r}")
         _check_keys(data, cls._ALLOWED, "hash")
-        return cls(**dict(data))
+        h = cls(**dict(data))
+        _check_applies(data, cls._APPLIES[h.kind], "hash", f"a {h.kind.value!r} hash")
+        return h
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind.value}
@@ -282,7 +294,8 @@ class TableConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise ConfigError("table.name", f"{self.name!r}: use 1-128 letters, digits, '_', '-' or '.'")
+            raise ConfigError("table.name", f"{self.name!r}: use 1-128 letters, digits, '_', '-' or '.', "
+                                            "starting with a letter, digit or '_'")
         for key, hi in (("num_embeddings", 2**62), ("dim", 65536)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    f"baseline in the same run and prints the ratio. Available: {names}.")
     p.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     p.add_argument("--quick", action="store_true", help="small sizes (a minute or so each)")
-    p.add_argument("--json", default=None, help="also write all figures to this JSON file")
+    p.add_argument("--json", default=None, metavar="F.json", help="also write all figures to this JSON file")
     p.set_defaults(func=cmd_bench)
 
 

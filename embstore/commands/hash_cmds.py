@@ -53,7 +53,8 @@ def register(subparsers: Any) -> None:
     f.add_argument("--table", default=None, metavar="NAME_OR_INDEX",
                    help="which table of the trace to fit (default: table 0)")
     f.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
-                   help="samples per batch when TRACE is in Meta's dlrm_datasets format")
+                   help="samples per batch when TRACE is in Meta's dlrm_datasets format (default: the whole "
+                        "file is one batch)")
     f.add_argument("--dim", type=positive_int, default=8, help="dimension of the learned id vectors (default 8)")
     f.add_argument("--dedicated-fraction", type=share, default=0.5, metavar="F",
                    help="fraction of the rows given to the most accessed ids, one each (default 0.5)")
@@ -64,7 +65,8 @@ def register(subparsers: Any) -> None:
                         "(default: whole batches; 1024-access windows for .npy ids)")
     f.add_argument("--iterations", type=positive_int, default=10,
                    help="subspace iterations of the factorisation (default 10)")
-    f.add_argument("--seed", type=nonneg_int, default=0, help="seed of the factorisation and of the unseen-id hash")
+    f.add_argument("--seed", type=nonneg_int, default=0,
+                   help="seed of the factorisation and of the unseen-id hash (default 0)")
     f.add_argument("--quiet", action="store_true", help="no progress lines")
     f.set_defaults(func=run_fit)
 

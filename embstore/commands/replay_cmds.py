@@ -73,11 +73,13 @@ def _check_output(path: str | None, flag: str, suffix: str | None = None) -> Non
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser(
         "replay", help="replay a trace through cache sizes and policies",
-        description="Replay a trace through one cache (per policy and capacity) over a home tier, with the "
+        description="Replay a trace through one DRAM cache (per policy and capacity) over a home tier, with the "
                     "store's own policy code, and print hit ratios with Belady's optimum beside them, bytes "
                     "fetched from the home and the modelled time per batch (cost model: the saved calibration "
                     "if any, else built-in figures). Accesses are deduplicated per batch, as the store "
-                    "reads each row of a lookup call once. One cache over all tables unless --per-table.",
+                    "reads each row of a lookup call once. One cache over all tables unless --per-table (a "
+                    "store has one per table, and counts the same hits as --per-table). Several cache levels: "
+                    "embstore.simulator.replay_trace.",
         epilog="example: embstore replay t.npz --policy lru,lfu --capacity 1000,0.05 --plot mrc.png")
     r.add_argument("trace", help="trace file: .npz, Meta's .pt / .pt.gz, or .csv")
     r.add_argument("--policy", type=_policies, default=["lru", "lfu", "clock", "lru+tinylfu"],
@@ -90,7 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="batches known ahead for prefetch; reports demand misses left (default 0)")
     r.add_argument("--home", choices=["ssd", "mmap", "rocksdb"], default="ssd",
                    help="home tier for the modelled time (default ssd)")
-    r.add_argument("--batch-size", type=positive_int, default=None, help="Meta's torch format: samples per batch")
+    r.add_argument("--batch-size", type=positive_int, default=None,
+                   help="for Meta's torch format: samples per batch (default: the whole file is one batch)")
     r.add_argument("--json", action="store_true", help="one JSON record per line per policy and capacity")
     r.add_argument("--plot", metavar="F.png", help="draw miss-ratio curves of each policy and Belady")
     r.set_defaults(func=cmd_replay)
@@ -99,26 +102,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tune", help="recommend tiers and policies for a memory budget",
         description="Size each table's caches on its own miss-ratio curve (greedy: bytes go where they buy "
                     "the most hits per byte), pick the best policy per table, place the home (rocksdb for "
-                    "sparse id spaces, else ssd) and write the result as a store TOML.",
+                    "sparse id spaces, else ssd) and write the result as a store TOML (to --out, else printed "
+                    "after the summary).",
         epilog="example: embstore tune t.npz --dram 2GiB --device 256MiB --dim 64 --out store.toml")
     t.add_argument("trace", help="trace file: .npz, Meta's .pt / .pt.gz, or .csv")
     t.add_argument("--dram", type=nonneg_byte_size, required=True,
                    help="all the DRAM the store may hold (cache rows, their directories, home indexes), e.g. 2GiB")
     t.add_argument("--device", type=nonneg_byte_size, default=0,
                    help="device (accelerator) budget, e.g. 256MiB (default 0: no device tier)")
-    t.add_argument("--row-bytes", type=positive_int, default=None, help="bytes per row (float32: 4 x dim)")
+    t.add_argument("--row-bytes", type=positive_int, default=None,
+                   help="bytes per float32 row, a multiple of 4 (instead of --dim; default: from --dim and --dtype)")
     t.add_argument("--dim", type=positive_int, default=None, help="embedding dimension (default 64)")
     t.add_argument("--dtype", choices=[d.value for d in RowDType], default="float32",
                    help="row format of the tables; with --dim it sets the bytes per row (default float32)")
     t.add_argument("--policy", type=_policies, default=list(POLICIES),
                    help=f"comma-separated candidate policies (default {','.join(POLICIES)})")
-    t.add_argument("--batch-size", type=positive_int, default=None, help="Meta's torch format: samples per batch")
+    t.add_argument("--batch-size", type=positive_int, default=None,
+                   help="for Meta's torch format: samples per batch (default: the whole file is one batch)")
     t.add_argument("--read-only", action="store_true",
                    help="the store will only serve lookups: evictions write nothing back, so no ssd home needs "
                         "the log layout's slot map (4 bytes a row) and its DRAM goes to the caches")
-    t.add_argument("--out", metavar="store.toml", help="write the recommended config here")
-    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.add_argument("--out", metavar="store.toml",
+                   help="write the recommended config here (without it, the TOML is printed after the summary)")
+    t.add_argument("--json", action="store_true", help="print one JSON object (and no TOML)")
     t.set_defaults(func=cmd_tune)
+
+
+TOML_MARK = "# recommended store config"  # heads the TOML tune prints when not given --out
 
 
 def _rows(cap: int | float, unique: int) -> int:
@@ -308,5 +318,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                      f"no DRAM cache fits; raise the budget")
     if args.out:
         lines.append(f"wrote {args.out}")
+    else:  # the recommendation is the point of the run: never lose it
+        lines += ["", f"{TOML_MARK} (--out FILE writes it to a file)", cfg.to_toml().rstrip("\n")]
     print("\n".join(lines))
     return 0

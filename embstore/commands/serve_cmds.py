@@ -38,9 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve a store over HTTP (lookups, pooled lookups, updates, metrics)",
         description="Serve STORE over HTTP: GET /healthz, GET /v1/tables[/NAME], POST /v1/tables/NAME/lookup "
-                    "and /pooled (JSON or little-endian binary), PUT /v1/tables/NAME/rows, POST "
-                    "/v1/admin/reload, GET /metrics (Prometheus) and a status page at /. A PUT is answered "
-                    "204 once its rows are durable (concurrent writes share one flush); with "
+                    "and /pooled (JSON or little-endian binary), PUT /v1/tables/NAME/rows, GET /v1/models, "
+                    "POST /v1/models/NAME/predict, POST /v1/admin/reload, GET /metrics (Prometheus) and a "
+                    "status page at /. A PUT is answered 204 once its rows are durable (appended to the "
+                    "write-ahead log; concurrent writes share one fdatasync of it); with "
                     "--no-durable-writes as soon as they are applied, and written rows are flushed every "
                     "--flush-interval seconds and on shutdown (Ctrl-C).")
     p.add_argument("store", help="store directory (made with 'embstore create')")

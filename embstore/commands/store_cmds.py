@@ -22,13 +22,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_create)
 
     p = sub.add_parser("import", help="bulk-load rows of a table from a .npy file",
-                       description="Write rows START.. of TABLE from FILE.npy, a float array of shape "
-                                   "(n, dim). The whole file is checked (shape, dtype, NaN/inf) before any "
-                                   "row is written; the store is flushed at the end.")
+                       description="Write physical rows START.. of TABLE (after hashing, as export writes "
+                                   "them) from FILE.npy, a float array of shape (n, dim). The whole file is "
+                                   "checked (shape, dtype, NaN/inf) before any row is written; the store is "
+                                   "flushed at the end.")
     p.add_argument("store", help="store directory (made with 'embstore create')")
     p.add_argument("table", help="name of the table to write")
     p.add_argument("file", help=".npy file of float rows, shape (n, dim)")
-    p.add_argument("--start", type=nonneg_int, default=0, help="first row id to write (default 0)")
+    p.add_argument("--start", type=nonneg_int, default=0, help="first physical row to write (default 0)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("export", help="dump the rows of a table to a .npy file",
@@ -42,7 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("stats", help="print a store's tables and per-tier statistics",
-                       description="Open the store and print each table's shape, tiers and tier statistics.")
+                       description="Open the store and print each table's shape and, per tier, its resident "
+                                   "and capacity rows. The hit, miss, eviction and byte counters count this "
+                                   "process's own work since the open (0 unless the open replayed a write-ahead "
+                                   "log); a running server's are at GET /v1/tables/NAME and /metrics (and it "
+                                   "holds the store open: stop it before running this).")
     p.add_argument("store", help="store directory (made with 'embstore create')")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_stats)

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: embstore trace gen --like dlrm2022 --batches 50 --batch-size 16384 --tables 8 "
                "--out t.npz")
     g.add_argument("--like", choices=sorted(tracegen.PROFILES), help="published statistics to reproduce")
-    g.add_argument("--zipf", type=float, metavar="ALPHA", help="Zipf exponent of id popularity (>= 0)")
+    g.add_argument("--zipf", type=float, metavar="ALPHA", help="Zipf exponent of id popularity, in [0, 10]")
     g.add_argument("--drift", type=share, default=0.0, metavar="R",
                    help="share of each table's popularity ranking replaced per batch, in [0, 1] (default 0)")
     g.add_argument("--batches", type=positive_int, default=10, help="number of batches (default 10)")
