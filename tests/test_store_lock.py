@@ -138,3 +138,35 @@ def test_a_folder_holding_only_a_lock_file_is_empty_to_create(tmp_path) -> None:
     embstore.create(p, CONFIG).close()
     with pytest.raises(embstore.StoreExistsError):
         embstore.create(p, CONFIG)
+
+
+def test_a_new_store_is_published_to_a_running_server_through_a_symlink_and_reload(tmp_path) -> None:
+    """The README's way to publish a newly trained store: the served store cannot be opened beside the
+    server, so the new one is made in another directory, the served symlink is pointed at it, and a
+    reload opens it (taking its lock, after giving up the old one's)."""
+    import httpx
+
+    from embstore.server import ServerSettings, create_app
+    from embstore.server.testing import ServerThread
+
+    for version, value in (("v1", 1.0), ("v2", 2.0)):
+        with embstore.create(tmp_path / version, CONFIG) as s:
+            s["t"].update(np.array([4]), row(value))
+    served = tmp_path / "current"
+    served.symlink_to(tmp_path / "v1")
+    app = create_app(ServerSettings(store=served, token="secret", batching=False))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        def value_of_row_4() -> float:
+            r = client.post("/v1/tables/t/lookup", json={"ids": [4]})
+            assert r.status_code == 200, r.text
+            return r.json()["embeddings"][0][0]
+
+        assert value_of_row_4() == 1.0
+        with pytest.raises(embstore.StoreInUseError):
+            embstore.open(served)
+        (tmp_path / "next").symlink_to(tmp_path / "v2")
+        os.replace(tmp_path / "next", served)
+        r = client.post("/v1/admin/reload", headers={"Authorization": "Bearer secret"})
+        assert r.status_code == 200, r.text
+        assert value_of_row_4() == 2.0
+        embstore.open(tmp_path / "v1").close()  # the old store was given up
