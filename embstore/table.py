@@ -1,9 +1,13 @@
 """A table: validation, hashing, dedup and row formats in front of a tier hierarchy.
 
-Every public call validates everything before touching a tier, so a rejected
-call changes nothing. Lookups deduplicate first (RecD's unique-then-gather):
-the tiers only ever see each row once per call, and the pooled path pools
-from the unique rows through the inverse index.
+Every public call validates everything before touching a tier or a counter, so
+a rejected call changes nothing: not a row, not ``stats()``, not ``lookups``.
+The physical-row calls (export/import, training) raise the same typed errors
+as ``lookup``: ids in ``[0, num_rows)``, distinct for writes (a tier takes each
+row once per call), finite float rows of the physical width. Lookups
+deduplicate first (RecD's unique-then-gather): the tiers only ever see each row
+once per call, and the pooled path pools from the unique rows through the
+inverse index.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 from embstore.arrays import Ids, as_ids, as_offsets, as_rows, check_id_range
 from embstore.config import RowDType, TableConfig
 from embstore.direct_directory import DirectDirectory
-from embstore.errors import InvalidInputError, StoreClosedError
+from embstore.errors import InvalidInputError, InvalidRowsError, StoreClosedError
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import (gather_rows, kernel_threads, pool, pool_rows, rows_finite, unique_inverse,
                               unique_last)
@@ -39,7 +43,7 @@ class Table:
         self.device = next((t.device for t in hierarchy.caches if t.kind == "device"), "cpu")
         self._lock = threading.RLock()
         self._closed = False
-        self.lookups = 0  # ids looked up (before dedup)
+        self.lookups = 0  # ids looked up (before dedup) by calls that answered
         self.recorder: Any | None = None  # optional access recorder (trace capture)
 
     @property
@@ -59,6 +63,33 @@ class Table:
         check_id_range(ids, self.config.num_embeddings, f"table {self.name!r}",
                        "; give the table a hash (hash = { kind = 'mod' }) to accept any id")
         return ids
+
+    def _physical_ids(self, rows: Any, distinct: bool) -> Ids:
+        """Validated physical row ids: 1-D int64 in ``[0, num_rows)``; ``distinct`` refuses a repeated row
+        (writes: the hierarchy takes each row once, and which copy should win is the caller's choice)."""
+        arr, _ = as_ids(rows, "physical row ids")
+        check_id_range(arr, self.num_rows, f"table {self.name!r}: physical row ids",
+                       " (physical rows are numbered from 0 to num_rows - 1, after hashing)")
+        if distinct and not _increasing(arr):
+            uniq, inv = unique_inverse(arr)
+            if len(uniq) != len(arr):
+                row = int(uniq[np.bincount(inv).argmax()])
+                raise InvalidInputError(f"table {self.name!r}: physical row ids must be distinct in a write; row "
+                                        f"{row} appears more than once (keep the copy you want to write)")
+        return arr
+
+    def _physical_values(self, values: Any, n: int, state: Any = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Validated float32 (n, physical dim) rows this format can hold and, when given, float32
+        (n, state_dim) optimizer state; the same checks as ``update``'s rows."""
+        vals, _ = as_rows(values, n, self.format.dim)
+        self.format.check(vals)
+        if state is None:
+            return vals, None
+        try:
+            st, _ = as_rows(state, n, self.format.state_dim)
+        except InvalidRowsError as exc:
+            raise InvalidRowsError(f"optimizer state: {exc}") from None
+        return vals, st
 
     def _check_open(self) -> None:
         if self._closed:
@@ -155,7 +186,6 @@ class Table:
         arr, as_torch = as_ids(ids)
         with self._lock:
             self._check_open()
-            self.lookups += len(arr)
             rows = self.physical_rows(arr)
             slab = self._resident_slab(rows)
             if slab is not None:
@@ -166,6 +196,7 @@ class Table:
                     gather_rows(slab, np.ascontiguousarray(rows, np.int64), out)
             else:
                 out = self._gather(arr) if len(arr) else np.zeros((0, self.dim), np.float32)
+            self.lookups += len(arr)  # only now: a refused call counts nothing
         return self._out(np.ascontiguousarray(out, np.float32), as_torch)
 
     def lookup_pooled(self, ids: Any, offsets: Any, mode: str = "sum") -> Any:
@@ -176,7 +207,6 @@ class Table:
         offs = as_offsets(offsets, len(arr))
         with self._lock:
             self._check_open()
-            self.lookups += len(arr)
             # unhashed ids go to the resident check unvalidated: its counting pass range-checks them, and
             # only a miss (or a bad id) takes the validating path below
             slab = self._resident_slab(arr) if self.mapper is None else None
@@ -194,6 +224,7 @@ class Table:
             else:
                 uniq, inv = unique_inverse(rows)
                 out = pool(self._read_unique(uniq), inv, offs, mode)
+            self.lookups += len(arr)
         return self._out(out, as_torch)
 
     def _checked_update(self, ids: Any, rows: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -251,31 +282,43 @@ class Table:
         return True
 
     def read_physical(self, rows: Ids) -> np.ndarray:
-        """float32 rows by physical row id (no hashing); for export and training."""
+        """float32 rows by physical row id (no hashing; repeats allowed); for export and training."""
+        arr = self._physical_ids(rows, distinct=False)
         with self._lock:
             self._check_open()
-            uniq, inv = unique_inverse(rows)
-            return self.format.decode(self.hierarchy.read(uniq))[inv]
+            return self.format.decode(self._read_physical(arr))
 
     def write_physical(self, rows: Ids, values: np.ndarray) -> None:
-        """Overwrite physical rows (unique ids, float32 (n, physical dim)); for import."""
-        self.format.check(values)
+        """Overwrite physical rows (distinct ids, float32 (n, physical dim)); for import."""
+        arr = self._physical_ids(rows, distinct=True)
+        vals, _ = self._physical_values(values, len(arr))
         with self._lock:
             self._check_open()
-            self.hierarchy.write(rows, self.format.encode(values))
+            self.hierarchy.write(arr, self.format.encode(vals))
 
     def read_with_state(self, rows: Ids) -> tuple[np.ndarray, np.ndarray]:
-        """(float32 (n, physical dim), float32 optimizer state (n, state_dim)) of unique physical rows."""
+        """(float32 (n, physical dim), float32 optimizer state (n, state_dim)) of physical rows."""
+        arr = self._physical_ids(rows, distinct=False)
         with self._lock:
             self._check_open()
-            data = self.hierarchy.read(rows)
+            data = self._read_physical(arr)
             return self.format.decode(data), self.format.decode_state(data)
 
     def write_with_state(self, rows: Ids, values: np.ndarray, state: np.ndarray) -> None:
-        """Write unique physical rows together with their optimizer state (one tier write for both)."""
+        """Write distinct physical rows together with their optimizer state (one tier write for both)."""
+        arr = self._physical_ids(rows, distinct=True)
+        vals, st = self._physical_values(values, len(arr), state)
         with self._lock:
             self._check_open()
-            self.hierarchy.write(rows, self.format.encode(values, state))
+            self.hierarchy.write(arr, self.format.encode(vals, st))
+
+    def _read_physical(self, rows: Ids) -> np.ndarray:
+        """Encoded rows of validated physical ids; the tiers see each row once (they take distinct ids)."""
+        if _increasing(rows):
+            return self.hierarchy.read(rows)
+        uniq, inv = unique_inverse(rows)
+        data = self.hierarchy.read(uniq)
+        return data if len(uniq) == len(rows) else data[inv]
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier (keyed by kind, fastest first): hits, misses, evictions, bytes moved, occupancy."""
@@ -306,6 +349,12 @@ class Table:
     def __repr__(self) -> str:
         tiers = " > ".join(t.kind for t in self.hierarchy.tiers)
         return f"<Table {self.name!r} {self.config.num_embeddings}x{self.dim} {self.config.dtype.value} [{tiers}]>"
+
+
+def _increasing(ids: Ids) -> bool:
+    """Whether ``ids`` are strictly increasing, hence distinct: import and export pass ascending ranges,
+    which skip the dedup hash pass (about 7 int64 of scratch per id, 0.5 GiB for a 10M-row write)."""
+    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
 
 
 def _torch_pool(slab: np.ndarray, rows: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:

@@ -8,6 +8,8 @@ Python in all).
   (``/v1/tables/{name}/lookup``), never by raw path, so unknown paths cannot
   grow the label set; requests that match no route count as ``unmatched``, and
   methods other than the standard ones as ``OTHER`` (HTTP allows any token).
+  A request this layer refuses itself (413 by ``Content-Length``) never reaches
+  the router, so its route is looked up here: it counts under its route too.
 - Body size: refused from ``Content-Length`` before it is read; a body without
   one (chunked) is counted while it streams in, and the overflow raises
   :class:`ApiError` inside the route, which the exception handlers turn into
@@ -24,6 +26,8 @@ import json
 import logging
 import time
 from typing import Any
+
+from starlette.routing import Match
 
 from embstore.server.errors import ApiError
 from embstore.server.metrics import Metrics
@@ -67,6 +71,7 @@ class RequestMiddleware:
         self.metrics.in_flight.inc()
         try:
             if length is not None and length > self.max_body_bytes:
+                scope.setdefault("route", _route_of(scope))  # refused before routing: label it by its route
                 await self._error(tracked_send, 413, self._too_large(length))
                 return
             if length is None:  # no declared length (chunked): count the body as it arrives
@@ -107,3 +112,16 @@ class RequestMiddleware:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _route_of(scope: dict) -> Any:
+    """The route the app's router would give ``scope`` (a full match first, then one that only the method
+    misses, as Starlette's router picks), or None; for requests refused before they reach the router."""
+    partial = None
+    for route in getattr(getattr(scope.get("app"), "router", None), "routes", ()):
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route
+        if match is Match.PARTIAL and partial is None:
+            partial = route
+    return partial
