@@ -130,6 +130,7 @@ class Hierarchy:
                 self._write(level + 1, down_keys, down_rows)
             except BaseException:
                 self._undo(tier, ids, r, down_keys, down_rows)
+                tier.counters.evictions -= len(down_keys)  # re-admitted: they never left
                 raise
 
     @staticmethod
