@@ -469,27 +469,19 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
     p = Path(path)
     from_file = not isinstance(config, StoreConfig) and "\n" not in os.fspath(config)
     cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_toml(os.fspath(config))
-    if (p / MANIFEST_FILE).exists():
-        raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
-    lock_fd = -1
-    try:
-        if (p / CREATING_FILE).exists():  # what a create() that died left: nothing in it was acknowledged
-            lock_fd = _lock_store(p)  # unless that create() is still running
-            log.warning("%s holds what an interrupted create() left; removing it to create the store again", p)
-            _remove_contents(p, keep_dir=True, keep=LOCK_FILE)
-        if (p / CONFIG_FILE).exists():
-            raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
-        if p.exists() and (not p.is_dir() or any(c.name != LOCK_FILE for c in p.iterdir())):
-            raise StoreExistsError(f"{p} exists and is not an empty directory")
-    except BaseException:
-        _unlock_store(lock_fd)
-        raise
+    _check_creatable(p)  # refuses a store or another folder before writing a lock file into it
     created = not p.exists()
+    lock_fd = -1
+    ours = False  # the folder's contents are this create()'s to remove on failure
     store: Store | None = None
     try:
         p.mkdir(parents=True, exist_ok=True)
-        if lock_fd < 0:
-            lock_fd = _lock_store(p)
+        lock_fd = _lock_store(p)  # StoreInUseError while another create() (or an open Store) holds it
+        # Again under the lock: a create() that held it during the check above may have finished since
+        if _check_creatable(p):  # what a create() that died left: nothing in it was acknowledged
+            log.warning("%s holds what an interrupted create() left; removing it to create the store again", p)
+            _remove_contents(p, keep_dir=True, keep=LOCK_FILE)
+        ours = True
         if created:
             fsync_dir(p.parent)
         _mark(p / CREATING_FILE)  # until the manifest is in place, the folder is debris
@@ -504,12 +496,27 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
     except BaseException:  # leave no half-made store behind, which neither open() nor a second create() takes
         if store is not None:
             close_all(list(store.tables.values()))
-        if lock_fd >= 0 or created:  # never a folder another create() holds
+        if ours:  # never a folder another create() holds or made
             _remove_contents(p, keep_dir=not created)
         _unlock_store(lock_fd)
         raise
     log.info("created store %s with tables %s", p, [t.name for t in cfg.tables])
     return store
+
+
+def _check_creatable(p: Path) -> bool:
+    """True if ``p`` holds what an interrupted create() left (its ``.creating`` mark, no manifest),
+    which the caller removes once it holds the lock (no create() runs there then); False if ``p`` is
+    missing or empty but for a lock file; else StoreExistsError."""
+    if (p / MANIFEST_FILE).exists():
+        raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
+    if (p / CREATING_FILE).exists():
+        return True
+    if (p / CONFIG_FILE).exists():
+        raise StoreExistsError(f"{p} already holds a store (open it, or create the new one elsewhere)")
+    if p.exists() and (not p.is_dir() or any(c.name != LOCK_FILE for c in p.iterdir())):
+        raise StoreExistsError(f"{p} exists and is not an empty directory")
+    return False
 
 
 def _remove_contents(path: Path, keep_dir: bool, keep: str | None = None) -> None:

@@ -139,7 +139,7 @@ class WriteAheadLog:
         self._seq = int(existing[-1].stem) + 1 if existing else 1
         self._fd = -1
         self._torn_seq: int | None = None  # a segment left with a partial record that could not be cut off
-        self._unsynced_seq: int | None = None  # a segment whose sync failed: see _sync_failed
+        self._unsynced_seq: int | None = None  # the latest segment whose sync failed: see _sync_failed
         self._last_start = -1  # where the current segment's last appended record begins
         self._end = 0  # bytes in the current segment
         self._durable = (self._seq, 0)  # (segment, offset): every record before it is synced or flushed
@@ -210,8 +210,12 @@ class WriteAheadLog:
         clean, so a later sync would "succeed" without them, and replay would stop at the hole, hiding
         every record after it: no log sync is allowed (writes are acknowledged by a flush) until a flush
         has retired the segment. :meth:`seal` marks it, so that replay takes its hole for a torn tail and
-        goes on with the later segments (none of whose writes was acknowledged through the log)."""
-        self._unsynced_seq = seq if self._unsynced_seq is None else min(seq, self._unsynced_seq)
+        goes on with the later segments (none of whose writes was acknowledged through the log).
+
+        Keeps the latest failed segment (failures come in segment order: a sealed one is not synced
+        again): an earlier one is sealed and marked already, and a flush that retires it while the
+        current one fails (a retract's sync, a racing flush's seal) must not forget the current one."""
+        self._unsynced_seq = seq if self._unsynced_seq is None else max(seq, self._unsynced_seq)
 
     def _sync(self, fd: int) -> None:
         """``fdatasync(fd)`` of the current segment, a failure raised as a ``TierIOError`` and remembered."""
