@@ -195,3 +195,50 @@ def test_rows_near_the_float32_limit_overflow_exactly_when_float64_says_so(kind,
     scale = np.abs(old.astype(np.float64)) + np.abs(old - new)  # the terms, for the cancellation's error
     assert (np.abs(rows[ok] - new[ok]) <= 1e-6 * scale[ok]).all()
     assert np.isfinite(rows).all() and np.isfinite(state).all()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad", "adam"])
+def test_a_float16_table_refuses_a_step_beyond_float16_and_keeps_training(tmp_path, optimizer: str) -> None:
+    """A float16 table stores |x| <= 65504. A step that takes rows past that (finite in float32) used to be
+    stored in the working set, then refused at every write-back: each later step and every flush raised,
+    and the row drifted further on each step. Now such rows keep their row and state, the step raises
+    naming float16, the other rows are updated, and flush and later steps work."""
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM)], cached_tiers(optimizer),
+                       extra='dtype = "float16"\n')
+    sgd = optimizer == "sgd"  # sgd: bag 0's rows step by 1e6, bag 1's by 1e-3; the others step by ~lr
+    ebc = TieredEmbeddingBagCollection(store, ["a"], optimizer=optimizer, lr=1.0 if sgd else 1e5)
+    before_rows, before_state = read_all(store)
+    weights = torch.tensor([1e6, 1e-3 if sgd else 0.0])[:, None, None].expand(2, 1, DIM).contiguous()
+    with pytest.raises(embstore.InvalidRowsError, match=r"float16's range .* into \d+ of its 5 rows"):
+        (ebc([IDS], [OFFS]) * weights).sum().backward()
+    ebc.flush()  # refused forever before the fix
+    rows, state = read_all(store)
+    bad = np.isin(np.arange(ROWS), [1, 2, 3])  # bag 0's rows (row 3 is in both bags)
+    np.testing.assert_array_equal(rows[bad], before_rows[bad])
+    np.testing.assert_array_equal(state[bad], before_state[bad])
+    if sgd:  # bag 1's rows 4 and 5 took their step, rounded to float16
+        want = (before_rows[[4, 5]] - 1e-3).astype(np.float16).astype(np.float32)
+        np.testing.assert_array_equal(rows[[4, 5]], want)
+    np.testing.assert_array_equal(rows[~np.isin(np.arange(ROWS), IDS.numpy())], before_rows[~np.isin(
+        np.arange(ROWS), IDS.numpy())])
+    ebc.release()
+    ebc = TieredEmbeddingBagCollection(store, ["a"], optimizer=optimizer, lr=0.01)  # the fix the error names
+    ebc([IDS], [OFFS]).sum().backward()  # trains every row again
+    ebc.release()
+    rows, _ = read_all(store)
+    assert np.isfinite(rows).all() and np.abs(rows).max() <= 65504
+    assert not np.array_equal(rows[bad], before_rows[bad])
+    store.close()
+
+
+def test_the_accelerator_path_keeps_float16_rows_in_range() -> None:
+    """On an accelerator a float16 table's step stores only the rows ``finite_rows(w, s, limit)`` passes:
+    finite, and every value of magnitude below 65520 (what float16 rounds to inf)."""
+    from embstore.rows import FLOAT16_LIMIT
+
+    w = torch.tensor([[1.0, -65504.0], [65519.0, 0.0], [0.0, -65520.0], [float("inf"), 0.0], [1e6, 1.0]])
+    s = torch.tensor([[0.0], [1e30], [0.0], [0.0], [0.0]])
+    assert finite_rows(w, s).tolist() == [True, True, True, False, True]
+    assert finite_rows(w, s, FLOAT16_LIMIT).tolist() == [True, True, False, False, False]
+    s[0, 0] = float("nan")
+    assert finite_rows(w, s, FLOAT16_LIMIT).tolist() == [False, True, False, False, False]

@@ -35,8 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embstore.config import RowDType
 from embstore.errors import IdOutOfRangeError, InvalidInputError, TierIOError
 from embstore.kernels import kernel_threads, pool_rows, unique_inverse_each
+from embstore.rows import FLOAT16_LIMIT
 from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import (DEFAULT_EPS, OptimConfig, apply_update, check_finite_gradient,
@@ -166,6 +168,8 @@ class TieredEmbeddingBagCollection(nn.Module):
                                     f"{ {t.name: t.dim for t in self.tables} }")
         self.dim = dims.pop()
         self.ws = [make_working_set(t) for t in self.tables]
+        # float16 tables: the step refuses rows it would take beyond float16's range (see _apply)
+        self._row_limit = [FLOAT16_LIMIT if t.format.dtype is RowDType.FLOAT16 else None for t in self.tables]
         self._lock = threading.RLock()
         self._pending: dict[int, _Batch] = {}  # seq -> batch not retired yet (prefetched or forwarded)
         self._queue: collections.deque[_Batch] = collections.deque()  # prefetched, not forwarded yet
@@ -514,12 +518,33 @@ class TieredEmbeddingBagCollection(nn.Module):
                     self._awaiting.remove(batch)
                     self._retire(batch)
                 if skipped:
-                    raise overflow_error(self.table_names[t], self.optim, skipped, len(batch.slots[t]))
+                    raise overflow_error(self.table_names[t], self.optim, skipped, len(batch.slots[t]),
+                                         float16=self._row_limit[t] is not None)
         return step
 
     def _apply(self, batch: _Batch, t: int, grad: torch.Tensor, bag_grad: bool) -> int:
         """Step table ``t``'s rows of ``batch`` (caller holds the lock); returns how many rows were left
-        as they were because their new row or state was not finite."""
+        as they were because their new row or state was not finite, or (a float16 table) a new row would
+        not fit float16: written back, it would be refused at every later write-back and flush."""
+        ws, limit = self.ws[t], self._row_limit[t]
+        if limit is None or ws.device.type != "cpu":
+            return self._optimizer_step(batch, t, grad, bag_grad, limit)
+        idx = torch.from_numpy(batch.slots[t])
+        before_rows, before_state = ws.rows[idx], ws.state[idx]  # copies, to undo the rows that do not fit
+        skipped = self._optimizer_step(batch, t, grad, bag_grad, None)
+        unfit = (ws.rows[idx].abs() >= limit).any(dim=1)
+        if bool(unfit.any()):
+            ws.rows[idx[unfit]] = before_rows[unfit]
+            if ws.state_dim:
+                ws.state[idx[unfit]] = before_state[unfit]
+            skipped += int(unfit.sum())
+        return skipped
+
+    def _optimizer_step(self, batch: _Batch, t: int, grad: torch.Tensor, bag_grad: bool,
+                        limit: float | None) -> int:
+        """The step of ``_apply``: rows whose new values or state would not be finite keep theirs, and on an
+        accelerator also those with a new value of magnitude ``limit`` or more (the CPU kernels leave that
+        check to ``_apply``)."""
         ws, o = self.ws[t], self.optim
         if ws.device.type == "cpu":
             gstep = self.steps + 1 if o.adam_step == "global" else 0
@@ -534,7 +559,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         idx = torch.from_numpy(batch.slots[t]).to(ws.device)
         w, s = ws.rows[idx], ws.state[idx]  # copies: nothing is stored before the check
         apply_update(o, w, s, grad, self.steps + 1)
-        ok = finite_rows(w, s)
+        ok = finite_rows(w, s, limit)
         skipped = int((~ok).sum())
         if skipped:
             idx, w, s = idx[ok], w[ok], s[ok]

@@ -83,22 +83,27 @@ def check_finite_gradient(grad: torch.Tensor, table: str) -> None:
                            "updated (look for a NaN loss or an overflow in the model)")
 
 
-def finite_rows(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Mask of the rows whose new values ``w`` (n, d) and state ``s`` (n, state_dim) are all finite: the
-    accelerator path stores only these, as the CPU kernels do (``_kernels._apply_row``)."""
-    return torch.isfinite(w).all(dim=1) & torch.isfinite(s).all(dim=1)
+def finite_rows(w: torch.Tensor, s: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """Mask of the rows whose new values ``w`` (n, d) and state ``s`` (n, state_dim) are all finite, and
+    (``limit``: a float16 table's) whose values are all below ``limit`` in magnitude: the accelerator path
+    stores only these, as the CPU kernels (``_kernels._apply_row``) and ``ebc._apply`` do."""
+    ok = torch.isfinite(w).all(dim=1) & torch.isfinite(s).all(dim=1)
+    return ok if limit is None else ok & (w.abs() < limit).all(dim=1)
 
 
-def overflow_error(table: str, cfg: OptimConfig, skipped: int, total: int) -> InvalidRowsError:
-    """The error of a step that would have written inf or NaN (from finite gradients) into ``skipped`` rows."""
+def overflow_error(table: str, cfg: OptimConfig, skipped: int, total: int, float16: bool = False) -> InvalidRowsError:
+    """The error of a step that would have written inf or NaN (from finite gradients) into ``skipped`` rows,
+    or (``float16``) values a float16 table cannot hold."""
     eps_hint = ""
     if cfg.eps == 0.0 and cfg.name != "sgd":
         eps_hint = "; with eps=0 a row whose gradient is 0 divides 0 by 0: pass eps > 0"
+    what = ("inf or NaN (a float32 overflow from a finite gradient)" if not float16 else
+            "inf or NaN, or values beyond float16's range (|x| <= 65504) of this float16 table,")
     return InvalidRowsError(
-        f"table {table!r}: the {cfg.name} step would have written inf or NaN (a float32 overflow from a finite "
-        f"gradient) into {skipped} of its {total} rows or their optimizer state; those rows keep their previous "
-        f"values and state, the batch's other rows were updated. Lower the learning rate (lr={cfg.lr:g}) or clip "
-        f"or scale down the gradients reaching the embeddings{eps_hint}")
+        f"table {table!r}: the {cfg.name} step would have written {what} into {skipped} of its {total} rows or "
+        f"their optimizer state; those rows keep their previous values and state, the batch's other rows were "
+        f"updated. Lower the learning rate (lr={cfg.lr:g}) or clip or scale down the gradients reaching the "
+        f"embeddings{eps_hint}")
 
 
 @dataclass
