@@ -17,6 +17,8 @@ Python in all).
 - Timeout: the request's coroutine is cancelled; blocking store work it
   started in a thread is abandoned, not killed, so it finishes on its own (a
   timed-out write may or may not have been applied, as with any HTTP timeout).
+  A timeout is logged as one WARNING line, a refusal made here (413) as one
+  INFO line like every other refusal (``errors.log_refused``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 from starlette.routing import Match
 
-from embstore.server.errors import ApiError
+from embstore.server.errors import ApiError, log_refused, one_line
 from embstore.server.metrics import Metrics
 
 log = logging.getLogger("embstore.server")
@@ -72,6 +74,7 @@ class RequestMiddleware:
         try:
             if length is not None and length > self.max_body_bytes:
                 scope.setdefault("route", _route_of(scope))  # refused before routing: label it by its route
+                log_refused(scope["method"], scope["path"], 413, self._too_large(length))
                 await self._error(tracked_send, 413, self._too_large(length))
                 return
             if length is None:  # no declared length (chunked): count the body as it arrives
@@ -81,8 +84,11 @@ class RequestMiddleware:
                     await self.app(scope, receive, tracked_send)
             except TimeoutError:
                 if started:  # the answer is half sent: nothing sensible left to say
-                    log.warning("%s %s timed out while its answer was being sent", scope["method"], scope["path"])
+                    log.warning("%s %s timed out while its answer was being sent", scope["method"],
+                                one_line(scope["path"], 200))
                     return
+                log.warning("%s %s timed out after %g s: answered 504", scope["method"], one_line(scope["path"], 200),
+                            self.timeout)
                 await self._error(tracked_send, 504, f"request timed out after {self.timeout:g} s (the server's "
                                                      "request timeout); a write may or may not have been applied")
         finally:
