@@ -15,6 +15,7 @@ import numpy as np
 from embstore.atomic import atomic_file
 from embstore.errors import InvalidInputError, InvalidRowsError
 from embstore.table import Table
+from embstore.traces import NPY_READ_ERRORS
 
 CHUNK_ROWS = 1 << 16
 MAX_EXPORT_ROWS = 1 << 31
@@ -25,7 +26,9 @@ Progress = Callable[[int], None]
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-def _open_npy(path: str | os.PathLike) -> np.ndarray:
+def open_npy(path: str | os.PathLike) -> np.ndarray:
+    """A read-only memory map of a .npy file: a header declaring more rows than the file holds is an
+    error here, not an allocation of that size. Damaged files raise :class:`InvalidInputError`."""
     try:
         with open(path, "rb") as f:  # numpy takes any other bytes for a pickle and says so, misleadingly
             head = f.read(len(_NPY_MAGIC))
@@ -38,8 +41,8 @@ def _open_npy(path: str | os.PathLike) -> np.ndarray:
         data = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         raise
-    except (ValueError, OSError, EOFError) as exc:  # EOFError: an empty file
-        raise InvalidInputError(f"{path}: not a readable .npy array ({exc})") from exc
+    except NPY_READ_ERRORS as exc:  # EOFError: an empty file; TokenError, SyntaxError: a damaged header
+        raise InvalidInputError(f"{path}: not a readable .npy array ({type(exc).__name__}: {exc})") from exc
     if not isinstance(data, np.ndarray):  # np.load opens any zip (.npz, torch.save) as an NpzFile
         data.close()
         raise InvalidInputError(f"{path}: not a readable .npy array (a zip archive such as .npz; "
@@ -51,7 +54,7 @@ def npy_rows(path: str | os.PathLike) -> int | None:
     """Rows of a .npy file, from its header (the total of an import's progress); None when the file
     cannot be read as one: :func:`import_rows` then names the problem."""
     try:
-        data = _open_npy(path)
+        data = open_npy(path)
     except (InvalidInputError, OSError):
         return None
     return data.shape[0] if data.ndim else None
@@ -59,7 +62,7 @@ def npy_rows(path: str | os.PathLike) -> int | None:
 
 def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress: Progress | None = None) -> int:
     """Write rows ``start ..`` of ``table`` from a (n, physical dim) float .npy file; returns n."""
-    data = _open_npy(path)
+    data = open_npy(path)
     dim = table.format.dim
     if data.ndim != 2 or data.shape[1] != dim:
         raise InvalidRowsError(f"{path}: expected shape (n, {dim}) for table {table.name!r}, got {data.shape}")
@@ -70,7 +73,8 @@ def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress:
         raise InvalidInputError(f"{path}: rows {start}..{start + n - 1} do not fit table {table.name!r} "
                                 f"of {table.num_rows} rows")
     for lo in range(0, n, CHUNK_ROWS):  # validate everything before the first write
-        chunk = np.asarray(data[lo:lo + CHUNK_ROWS], dtype=np.float32)
+        with np.errstate(over="ignore"):  # a float64 beyond float32's range turns inf, refused just below
+            chunk = np.asarray(data[lo:lo + CHUNK_ROWS], dtype=np.float32)
         if not np.isfinite(chunk).all():
             bad = lo + int(np.argwhere(~np.isfinite(chunk))[0][0])
             raise InvalidRowsError(f"{path}: row {bad} holds NaN or inf (or overflows float32); nothing imported")

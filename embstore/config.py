@@ -377,6 +377,16 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", f"file {name!r}: {exc.reason}") from exc
 
 
+def from_toml_file(build: Any, path: str | Path) -> Any:
+    """``build(read_toml(path))``, with a bad key's error naming the file too: the user has one line
+    to find it by."""
+    data = read_toml(path)
+    try:
+        return build(data)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, f"{exc.reason} (in {str(path)!r})") from exc
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """A whole store: its tables."""
@@ -404,7 +414,7 @@ class StoreConfig:
         """Parse a TOML file path (or TOML text when it contains a newline, or a '[' and names no file)."""
         text = str(source)
         if isinstance(source, Path) or ("\n" not in text and ("[" not in text or _names_a_file(text))):
-            return cls.from_dict(read_toml(text))
+            return from_toml_file(cls.from_dict, text)
         return cls.from_dict(parse_toml(text))
 
     def to_dict(self) -> dict[str, Any]:
@@ -464,6 +474,6 @@ def dumps_toml(data: Mapping[str, Any]) -> str:
 
 __all__ = [
     "ConfigError", "HashConfig", "HashKind", "InitConfig", "InitKind", "PolicyKind", "PolicySpec",
-    "RowDType", "StoreConfig", "TableConfig", "TierConfig", "TierKind", "dumps_toml", "parse_bytes", "parse_toml",
-    "read_toml",
+    "RowDType", "StoreConfig", "TableConfig", "TierConfig", "TierKind", "dumps_toml", "from_toml_file", "parse_bytes",
+    "parse_toml", "read_toml",
 ]

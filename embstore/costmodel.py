@@ -17,6 +17,7 @@ tensor then). The SSD cost per row is ``1 / IOPS`` at the tier's queue depth
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -109,18 +110,26 @@ def load(path: str | os.PathLike | None = None) -> CostModel:
         data = json.loads(p.read_text())
     except FileNotFoundError:
         raise InvalidInputError(f"cost model {str(p)!r} does not exist; run the calibration first") from None
-    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, and UnicodeDecodeError for non-UTF-8
-        raise InvalidInputError(f"cost model {str(p)!r} is not readable JSON: {exc}") from exc
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, and UnicodeDecodeError
+        # for non-UTF-8; RecursionError: arrays nested thousands deep
+        raise InvalidInputError(f"cost model {str(p)!r} is not readable JSON: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, Mapping):
         raise InvalidInputError(f"cost model {str(p)!r} must hold a JSON object, got {type(data).__name__}")
-    return CostModel.from_dict(data)
+    try:
+        return CostModel.from_dict(data)
+    except InvalidInputError as exc:  # name the file: the user has to find and fix or delete it
+        raise InvalidInputError(f"{str(p)!r}: {exc}") from exc
 
 
 def default_model(path: str | os.PathLike | None = None) -> CostModel:
-    """The saved calibration when there is one, else the built-in round figures (``measured=False``)."""
+    """The saved calibration when there is one, else the built-in round figures (``measured=False``); a
+    damaged calibration is logged as a warning naming it (the figures would otherwise change silently)."""
     try:
         return load(path)
-    except InvalidInputError:
+    except InvalidInputError as exc:
+        p = Path(path) if path is not None else DEFAULT_PATH
+        if p.exists():
+            logging.getLogger("embstore.costmodel").warning("%s; using the built-in figures", exc)
         return CostModel()
 
 

@@ -39,11 +39,15 @@ batches weighted by lookups.
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import shutil
+import struct
 import tempfile
+import tokenize
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,7 +60,7 @@ from numba import njit
 from embstore.arrays import Ids
 from embstore.atomic import atomic_file
 from embstore.belady import dedup_batches, densify
-from embstore.errors import CorruptStoreError, InvalidInputError
+from embstore.errors import CorruptStoreError, EmbstoreError, InvalidInputError
 from embstore.stackdist import stack_distances
 
 __all__ = [
@@ -265,6 +269,7 @@ def _load_npz(p: Path) -> Trace:
         raise CorruptStoreError(f"trace file {str(p)!r} is not an npz archive (a zip of .npy arrays, as "
                                 "embstore.traces.save or numpy.savez write)")
     try:
+        _check_npz_sizes(p)
         with np.load(p, allow_pickle=False) as z:
             missing = [k for k in ("ids", "table", "batch_offsets") if k not in z.files]
             if missing:
@@ -278,14 +283,56 @@ def _load_npz(p: Path) -> Trace:
                     raise InvalidInputError(f"trace file {str(p)!r}: table_names must be a 1-D string array, "
                                             f"got {raw.dtype} {raw.shape}")
                 names = tuple(str(s) for s in raw)
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as exc:
-        if isinstance(exc, InvalidInputError):
+    except NPY_READ_ERRORS as exc:
+        if isinstance(exc, EmbstoreError):
             raise
         raise CorruptStoreError(f"trace file {str(p)!r} is not a readable npz trace: {exc}") from exc
     for what, arr in (("ids", ids), ("table", table), ("batch_offsets", off)):
         if arr.dtype.kind not in "iu":
             raise InvalidInputError(f"trace file {str(p)!r}: {what} must be integers, got dtype {arr.dtype}")
     return Trace(ids, table, off, names)
+
+
+# What numpy and zipfile raise on damaged bytes: a flipped bit in a zip entry's compression method is a
+# NotImplementedError, in a .npy header a tokenize.TokenError or SyntaxError, in deflated data a zlib.error.
+NPY_READ_ERRORS = (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, NotImplementedError,
+                   tokenize.TokenError, SyntaxError, zlib.error, struct.error,
+                   RuntimeError)  # RuntimeError: the entry's "encrypted" flag bit set
+# Deflate inflates at most ~1032:1; a member claiming more is damaged (or a bomb), not data.
+_MAX_DEFLATE_RATIO = 1100
+
+
+def _check_npz_sizes(p: Path) -> None:
+    """Refuse, before numpy allocates them, arrays whose declared size the archive cannot hold: numpy
+    allocates the whole ``shape`` of a zip member's header first, so a damaged header declaring 10**12
+    ids would ask for terabytes (a MemoryError, not a corrupt-file error)."""
+    size = p.stat().st_size
+    with open(p, "rb") as f:  # the end record's entry count: a damaged length field in the central
+        f.seek(max(0, size - (1 << 16) - 22))  # directory swallows the entries after it (table_names
+        tail = f.read()  # vanished, and the trace silently got default names)
+    end = tail.rfind(b"PK\x05\x06")
+    entries = struct.unpack_from("<H", tail, end + 10)[0] if 0 <= end <= len(tail) - 22 else 0xFFFF
+    with zipfile.ZipFile(p) as z:
+        if entries != 0xFFFF and entries != len(z.infolist()):  # 0xFFFF: a zip64 count, kept elsewhere
+            raise CorruptStoreError(f"trace file {str(p)!r}: its zip directory lists {len(z.infolist())} of "
+                                    f"{entries} entries")
+        for info in z.infolist():
+            if not info.filename.endswith(".npy"):
+                z.open(info).close()  # checks the name against the entry's own header: a damaged
+                continue  # "table_names.npy" in the directory would otherwise just go missing
+            limit = info.compress_size * (1 if info.compress_type == zipfile.ZIP_STORED else _MAX_DEFLATE_RATIO)
+            if info.compress_size > size or info.file_size > limit:
+                raise CorruptStoreError(f"trace file {str(p)!r}: member {info.filename!r} claims {info.file_size} "
+                                        f"bytes, more than its {info.compress_size} stored bytes can hold")
+            with z.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                shape, _, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0(f))
+                header = f.tell()
+            declared = math.prod(shape) * dtype.itemsize  # Python ints: no wrap-around
+            if declared > info.file_size - header:
+                raise CorruptStoreError(f"trace file {str(p)!r}: array {info.filename[:-4]!r} declares shape "
+                                        f"{shape} ({declared} bytes) but holds {info.file_size - header} bytes")
 
 
 def _torch_load(p: Path) -> Any:
@@ -301,10 +348,13 @@ def _torch_load(p: Path) -> Any:
             with os.fdopen(fd, "wb") as out, gzip.open(p, "rb") as inp:
                 shutil.copyfileobj(inp, out, length=1 << 24)
             src = Path(tmp_name)
-        return torch.load(src, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns of pickle protocols it was not written with: noise
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(src, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch.load raises many types (RuntimeError, UnpicklingError, ...) on bad files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # its advice runs to many lines
         raise CorruptStoreError(f"trace file {str(p)!r} is not a readable torch file"
-                                f"{' (gzipped)' if gz else ''}: {type(exc).__name__}: {exc}") from exc
+                                f"{' (gzipped)' if gz else ''}: {type(exc).__name__}: {first}") from exc
     finally:
         if tmp_name is not None:
             os.unlink(tmp_name)
@@ -317,7 +367,14 @@ def _load_meta(p: Path, batch_size: int | None) -> Trace:
     if not isinstance(obj, (tuple, list)) or len(obj) != 3 or not all(isinstance(t, torch.Tensor) for t in obj):
         what = f"{type(obj).__name__} of {len(obj)}" if isinstance(obj, (tuple, list)) else type(obj).__name__
         raise CorruptStoreError(f"trace file {str(p)!r} should hold (indices, offsets, lengths) tensors, got a {what}")
-    indices, offsets, lengths = (t.detach().cpu().numpy() for t in obj)
+    for what, t in zip(("indices", "offsets", "lengths"), obj):
+        if t.layout != torch.strided or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise InvalidInputError(f"trace file {str(p)!r}: {what} must be a dense integer tensor, got "
+                                    f"{t.dtype} ({t.layout})")
+    try:  # a quantized or other exotic integer tensor has no numpy form
+        indices, offsets, lengths = (t.detach().cpu().numpy() for t in obj)
+    except (TypeError, RuntimeError) as exc:
+        raise InvalidInputError(f"trace file {str(p)!r}: tensors must be plain integer tensors: {exc}") from exc
     for what, arr in (("indices", indices), ("offsets", offsets), ("lengths", lengths)):
         if arr.dtype.kind not in "iu":
             raise InvalidInputError(f"trace file {str(p)!r}: {what} must be an integer tensor, got {arr.dtype}")

@@ -92,8 +92,8 @@ def read_arrays(path: str | os.PathLike[str], verify: bool = True) -> tuple[dict
             meta, descr = header["meta"], header["arrays"]
             if not isinstance(meta, dict) or not isinstance(descr, dict):
                 raise TypeError("meta and arrays must be objects")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise bad(f"header: {exc}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+            raise bad(f"header: {type(exc).__name__}: {exc}") from None
         if "crc32" in header and header["crc32"] != _header_crc(meta, descr):
             raise bad("the header fails its CRC-32 check")
     data_start = _align(16 + hlen)
@@ -115,10 +115,13 @@ def read_arrays(path: str | os.PathLike[str], verify: bool = True) -> tuple[dict
         nbytes = dtype.itemsize * math.prod(shape)  # Python ints: a huge shape cannot wrap around
         if offset < data_start or offset + nbytes > size or any(s < 0 for s in shape):
             raise bad(f"array {name!r} of {nbytes} bytes at offset {offset} does not fit in {size} bytes")
-        if nbytes == 0:
-            arr = np.empty(shape, dtype)
-        else:
-            arr = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape).view(np.ndarray)
+        try:  # numpy refuses more than 64 dimensions, or a dimension past 2**63 even of an empty array
+            if nbytes == 0:
+                arr = np.empty(shape, dtype)
+            else:
+                arr = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape).view(np.ndarray)
+        except ValueError as exc:
+            raise bad(f"array {name!r} of shape {list(shape)}: {exc}") from None
         if verify and zlib.crc32(memoryview(np.ascontiguousarray(arr)).cast("B")) != crc:
             raise bad(f"array {name!r} fails its CRC-32 check")
         arrays[name] = arr

@@ -75,6 +75,11 @@ def load_model(store: Store, name: str) -> DLRM:
         dense = torch.load(folder / "dense.pt", weights_only=True)
     except _UNREADABLE as exc:
         raise CorruptStoreError(f"model {name!r} in {folder} cannot be read: {exc}") from exc
+    if isinstance(dense, dict):  # a NaN weight would make every prediction NaN, silently
+        bad = [k for k, v in dense.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+               and not bool(torch.isfinite(v).all())]
+        if bad:
+            raise CorruptStoreError(f"model {name!r} in {folder}: dense.pt holds NaN or inf in {bad[0]!r}")
     ebc = TieredEmbeddingBagCollection(store, list(spec.tables), optimizer=spec.sparse_optimizer)
     model = DLRM(ebc, len(spec.tables), spec.embedding_dim, spec.dense_in_features, spec.dense_arch,
                  spec.over_arch, spec.interaction, spec.dcn_layers, spec.dcn_low_rank)

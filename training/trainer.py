@@ -26,8 +26,10 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -39,8 +41,8 @@ import torch.nn.functional as F
 import embstore
 from embstore.atomic import atomic_file, atomic_write
 from embstore.progress import progress_bar
-from embstore.config import HashKind, StoreConfig, TableConfig, read_toml
-from embstore.errors import ConfigError
+from embstore.config import HashKind, StoreConfig, TableConfig, from_toml_file
+from embstore.errors import ConfigError, CorruptStoreError, EmbstoreError
 from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader, SyntheticClicks
 from embstore.training.distributed import (DistContext, ShardedEmbeddingBags, average_gradients,
@@ -268,7 +270,7 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "TrainConfig":
-        return cls.from_dict(read_toml(path))
+        return from_toml_file(cls.from_dict, path)
 
 
 # --------------------------------------------------------------------------- result
@@ -448,11 +450,82 @@ def _store_name(ctx: DistContext) -> str:
     return f"store_rank{ctx.rank}" if ctx.enabled else "store"
 
 
+_CHECKPOINT_NAME = re.compile(r"step_[0-9]+")
+
+
 def latest_checkpoint(out: Path) -> Path | None:
+    """The folder ``checkpoints/latest`` names, None when there is no marker; a marker that names no
+    checkpoint folder (damaged, or edited by hand) is a :class:`CorruptStoreError` naming it."""
     marker = out / "checkpoints" / "latest"
     if not marker.exists():
         return None
-    return out / "checkpoints" / marker.read_text().strip()
+    try:
+        name = marker.read_bytes().decode("ascii").strip()
+    except UnicodeDecodeError:
+        name = ""
+    ckpt = out / "checkpoints" / name
+    if not _CHECKPOINT_NAME.fullmatch(name) or not ckpt.is_dir():
+        raise CorruptStoreError(f"checkpoint marker {str(marker)!r} names no checkpoint folder (it should hold "
+                                f"a name like step_100; folders there: {', '.join(_checkpoints(out)) or 'none'})")
+    return ckpt
+
+
+def _checkpoints(out: Path) -> list[str]:
+    """Checkpoint folders under ``out``, oldest first."""
+    root = out / "checkpoints"
+    names = [p.name for p in root.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name)] if root.is_dir() else []
+    return sorted(names, key=lambda n: int(n[5:]))
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint's state, loaded with ``weights_only=True``: it holds tensors and plain Python values
+    only, so loading a checkpoint file cannot run code. A damaged, truncated or foreign file is a
+    :class:`CorruptStoreError` naming it. There is no silent fall-back to an earlier checkpoint (the
+    ``latest`` marker only ever names a complete one, so a damaged one is damage worth seeing); the
+    message lists the earlier ones, which ``latest`` can be pointed at by hand."""
+    out = path.parent.parent.parent
+
+    def bad(why: str) -> CorruptStoreError:
+        earlier = [n for n in _checkpoints(out) if n != path.parent.name]
+        hint = (f"; earlier checkpoints: {', '.join(earlier)} (write one's name into "
+                f"{str(out / 'checkpoints' / 'latest')!r} to resume from it)") if earlier else ""
+        return CorruptStoreError(f"checkpoint {str(path)!r} {why}{hint}")
+
+    if not path.is_file():
+        raise bad("is missing")
+    try:
+        with warnings.catch_warnings():  # torch warns of pickle protocols it was not written with: noise
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types on damaged bytes (RuntimeError, UnpicklingError, ...)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # its advice runs to many lines
+        raise bad(f"cannot be read: {type(exc).__name__}: {first}") from exc
+    if not isinstance(state, dict):
+        raise bad(f"holds a {type(state).__name__}, not a checkpoint")
+    kinds = {"step": int, "model": dict, "optimizer": dict, "losses": list, "evals": list}
+    for key, kind in kinds.items():
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise bad(f"lacks {key!r} (a {kind.__name__}), or holds something else there")
+    step, losses = state["step"], state["losses"]
+    if step < 0 or len(losses) != step or not all(type(x) is float for x in losses):
+        raise bad(f"holds step {step} with {len(losses)} losses; it needs one float per step")
+    fields = {f.name for f in dataclasses.fields(EvalResult)}
+    for ev in state["evals"]:
+        if (not isinstance(ev, (list, tuple)) or len(ev) != 2 or type(ev[0]) is not int or not isinstance(ev[1], dict)
+                or set(ev[1]) != fields or not all(type(v) in (int, float) for v in ev[1].values())):
+            raise bad(f"holds an evaluation that is not (step, {{{', '.join(sorted(fields))}}}): {ev!r:.80}")
+    return state
+
+
+def _restore(ckpt: Path, state: dict[str, Any], model: DLRM, opt: torch.optim.Optimizer) -> None:
+    """Load a checkpoint's state into the model and optimizer: one that does not fit them (another config's
+    checkpoint, a damaged tensor shape) is a :class:`CorruptStoreError` naming the file, not a traceback."""
+    try:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, EmbstoreError) as exc:
+        raise CorruptStoreError(f"checkpoint {str(ckpt)!r} does not fit this config's model: "
+                                f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc  # one line
 
 
 def save_checkpoint(out: Path, step: int, model: DLRM, opt: torch.optim.Optimizer, result: TrainResult,
@@ -467,8 +540,11 @@ def save_checkpoint(out: Path, step: int, model: DLRM, opt: torch.optim.Optimize
         if dst.exists():
             shutil.rmtree(dst)
         shutil.copytree(store.path, dst)
+    # plain Python values and tensors only: read_checkpoint loads with weights_only=True
     state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-             "losses": result.losses, "evals": [(s, dataclasses.asdict(e)) for s, e in result.evals]}
+             "losses": [float(x) for x in result.losses],
+             "evals": [(int(s), {k: (int(v) if k == "samples" else float(v)) for k, v in dataclasses.asdict(e).items()})
+                       for s, e in result.evals]}
     with atomic_file(ckpt / f"rank{ctx.rank}.pt") as f:
         torch.save(state, f)
     if ctx.enabled:
@@ -500,17 +576,22 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     out.mkdir(parents=True, exist_ok=True)
     sched = cfg.schedule
     data = Batches(cfg, ctx.world)
+    ckpt = latest_checkpoint(out) if resume else None
+    state = read_checkpoint(ckpt / f"rank{ctx.rank}.pt") if ckpt is not None else None  # before the store moves
     store, store_path = build_store(cfg, out, ctx, resume)
     model = build_model(cfg, store, data.num_dense, ctx)
     dense_params = model.dense_parameters()
     opt = dense_optimizer(cfg.model.dense_optimizer, dense_params, sched.dense_lr)
     result = TrainResult()
 
-    ckpt = latest_checkpoint(out) if resume else None
-    if ckpt is not None:
-        state = torch.load(ckpt / f"rank{ctx.rank}.pt", weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+    if ckpt is not None and state is not None:
+        try:
+            _restore(ckpt / f"rank{ctx.rank}.pt", state, model, opt)
+        except BaseException:
+            ebc = model.sparse_arch.ebc
+            ebc.release()
+            store.close()
+            raise
         result.step, result.losses = state["step"], list(state["losses"])
         result.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]
         result.resumed_from = result.step

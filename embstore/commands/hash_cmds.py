@@ -100,13 +100,9 @@ def load_ids(path: Path, table: str | None, batch_size: int | None = None) -> tu
     if not path.exists():
         raise _UsageError(f"trace {str(path)!r} does not exist")
     if path.suffix == ".npy":
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except (ValueError, EOFError) as exc:  # EOFError: an empty file
-            raise _UsageError(f"{str(path)!r} is not a readable .npy file: {exc}") from None
-        if not isinstance(arr, np.ndarray):  # a zip archive (.npz) opens as an NpzFile
-            arr.close()
-            raise _UsageError(f"{str(path)!r} is a zip archive (an .npz?), not a .npy array of ids")
+        from embstore.bulk import open_npy
+
+        arr = open_npy(path)  # memory-mapped: a damaged header's huge shape is refused, not allocated
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise _UsageError(f"{str(path)!r} must hold a 1-D integer array of ids, got {arr.dtype} {arr.shape}")
         if arr.dtype.kind == "u" and arr.size and int(arr.max()) > 2**63 - 1:  # would wrap to negative ids

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embstore.atomic import atomic_write
+from embstore.atomic import atomic_file, atomic_write
 from embstore.progress import progress_bar
 from embstore.commands.argtypes import nonneg_byte_size, nonneg_int, positive_int
 from embstore import costmodel, traces
@@ -238,8 +238,11 @@ def _plot(groups, policies: list[str], path: str, marks: list[int | float] = ())
             ax.set_title(f"miss-ratio curves: {name}")
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    try:
+        with atomic_file(path) as f:  # a full disk mid-write leaves no half-drawn PNG
+            fig.savefig(f, format="png")
+    finally:
+        plt.close(fig)
 
 
 def _span(sizes: list[int]) -> str:
