@@ -25,13 +25,14 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from embstore.atomic import atomic_file, atomic_write, fsync_dir
 from embstore.config import HashKind, StoreConfig, TableConfig
@@ -53,6 +54,21 @@ CREATING_FILE = ".creating"
 LOCK_FILE = "LOCK"
 RELAYOUT_FILE = ".relayout"
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _beside_close(method: _Method) -> _Method:
+    """Run the Store method under its lifecycle lock, refused once the store is closed: close() waits
+    for it. A table created or re-laid out meanwhile would stay open after the close (its tier files
+    and locks held, the store's lock given up), and a flush's end deletes log segments, by then the
+    next owner's."""
+    @functools.wraps(method)
+    def run(self: "Store", *args: Any, **kwargs: Any) -> Any:
+        with self._lifecycle:
+            self._check_open()
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
+
 
 class Store:
     """An open store; use :func:`create` or :func:`open` rather than this constructor."""
@@ -70,6 +86,7 @@ class Store:
         self._wal = WriteAheadLog(path / WAL_DIR)
         self._wal_lock = threading.Lock()  # the log's order is the order writes are applied in
         self._sync_lock = threading.Lock()  # one log sync or seal at a time (WriteAheadLog.synced); then _wal_lock
+        self._lifecycle = threading.Lock()  # close() against flush, create_table, ensure_state_dim (_beside_close)
         try:
             for cfg in config.tables:
                 self.tables[cfg.name] = self._open_table(cfg, fresh=cfg.name in fresh)
@@ -127,9 +144,9 @@ class Store:
     def __iter__(self) -> Iterator[str]:
         return iter(self.tables)
 
+    @_beside_close
     def create_table(self, config: TableConfig | dict[str, Any], state_dim: int = 0) -> Table:
         """Add a table; its config and the manifest are persisted before it is returned."""
-        self._check_open()
         cfg = config if isinstance(config, TableConfig) else TableConfig.from_dict(config)
         if cfg.name in self.tables:
             raise TableExistsError(f"table {cfg.name!r} already exists in {self.path}")
@@ -172,6 +189,7 @@ class Store:
                       "the table, empty", name, self.path / CONFIG_FILE, exc, self.path)
             return False
 
+    @_beside_close
     def ensure_state_dim(self, name: str, state_dim: int) -> Table:
         """Give table ``name`` room for ``state_dim`` float32 optimizer-state columns beside each row.
 
@@ -181,7 +199,6 @@ class Store:
         place; a table holding rows in another layout is refused rather than
         silently dropping its state (export and re-import it instead).
         """
-        self._check_open()
         table = self[name]
         if table.format.state_dim == state_dim:
             return table
@@ -209,9 +226,9 @@ class Store:
         return self.tables[name]
 
     # --- lifecycle -------------------------------------------------------------------
+    @_beside_close
     def flush(self) -> None:
         """Make every write acknowledged so far durable."""
-        self._check_open()
         with self._sync_lock, self._wal_lock:
             sealed = self._wal.seal()  # what was logged before this point is applied: the flush covers it
         for t in self.tables.values():
@@ -276,13 +293,16 @@ class Store:
                         self.path, replayed)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._close()
-        finally:  # even after a failure: the tiers are released, and the next open repairs from the log
-            _unlock_store(self._lock_fd)
+        """Flush and close the tables, then give up the store. A second close (another thread's) returns
+        once the first has finished: a caller may reopen the store once its close returns."""
+        with self._lifecycle:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._close()
+            finally:  # even after a failure: the tiers are released, and the next open repairs from the log
+                _unlock_store(self._lock_fd)
 
     def _close(self) -> None:
         try:
@@ -440,22 +460,40 @@ def _lock_store(path: Path) -> int:
     """An exclusive flock on ``STORE/LOCK``, held while a Store has the directory open: a second open
     (another process, such as ``embstore stats`` beside a server, or this one) would replay and delete the
     first one's write-ahead log under it, losing acknowledged writes, and write tier files behind its
-    caches. The lock dies with its process, even on SIGKILL. Returns the descriptor that holds it."""
+    caches. The lock dies with its process, even on SIGKILL. Returns the descriptor that holds it.
+
+    A failed create() removes the folder it made, LOCK included, before it lets go: a caller that opened
+    that LOCK first then locks a file no longer in the folder, while another may have made the folder
+    again and locked its new LOCK. So the lock counts only if LOCK is still the file locked; if it was
+    replaced, the new one is tried once; if it is gone, or replaced again, the store is in use."""
     lock = path / LOCK_FILE
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise tier_io_error("store", f"opening {lock}", exc) from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    for retry in (False, True):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError as exc:
+            if retry:  # the folder went since the first try
+                break
+            raise tier_io_error("store", f"opening {lock}", exc) from exc
+        except OSError as exc:
+            raise tier_io_error("store", f"opening {lock}", exc) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held, named = os.fstat(fd), os.stat(lock)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreInUseError(f"{path} is open elsewhere (another process, such as a server, or another open "
+                                  "Store in this one); close it first, or go through the server's HTTP API") from None
+        except FileNotFoundError:
+            os.close(fd)
+            break
+        except OSError as exc:
+            os.close(fd)
+            raise tier_io_error("store", f"locking {lock}", exc) from exc
+        if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+            return fd
         os.close(fd)
-        raise StoreInUseError(f"{path} is open elsewhere (another process, such as a server, or another open "
-                              "Store in this one); close it first, or go through the server's HTTP API") from None
-    except OSError as exc:
-        os.close(fd)
-        raise tier_io_error("store", f"locking {lock}", exc) from exc
-    return fd
+    raise StoreInUseError(f"{path} changed while this process took its lock (a create() of it failed and removed "
+                          "it, or another is making it); try again")
 
 
 def _unlock_store(fd: int) -> None:

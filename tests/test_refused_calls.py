@@ -250,26 +250,30 @@ def _bad_write_ids(data: st.DataObject, m: Model, ids: np.ndarray) -> tuple[Any,
     return _bad_ids(data, ids, m.table.num_rows)
 
 
-def call_read_physical(data: st.DataObject, m: Model, valid: bool) -> tuple:
-    t = m.table
-    rows = _phys(data, t, unique=False, min_size=0 if valid else 1)  # repeats allowed: reads dedup
+def _call_physical_read(data: st.DataObject, m: Model, valid: bool, read: Any, check: Any) -> tuple:
+    """A physical-row read (``read(rows)``): valid rows are ``check``ed (``check(got, rows)``) against
+    the model; else the refused call and its error."""
+    rows = _phys(data, m.table, unique=False, min_size=0 if valid else 1)  # repeats allowed: reads dedup
     if valid:
-        np.testing.assert_array_equal(t.read_physical(rows), m.rows[rows])
+        check(read(rows), rows)
         return ()
-    bad, err = _bad_ids(data, rows, t.num_rows)
-    return (lambda: t.read_physical(bad)), err
+    bad, err = _bad_ids(data, rows, m.table.num_rows)
+    return (lambda: read(bad)), err
+
+
+def call_read_physical(data: st.DataObject, m: Model, valid: bool) -> tuple:
+    def check(got: np.ndarray, rows: np.ndarray) -> None:
+        np.testing.assert_array_equal(got, m.rows[rows])
+
+    return _call_physical_read(data, m, valid, m.table.read_physical, check)
 
 
 def call_read_with_state(data: st.DataObject, m: Model, valid: bool) -> tuple:
-    t = m.table
-    rows = _phys(data, t, unique=False, min_size=0 if valid else 1)
-    if valid:
-        got, state = t.read_with_state(rows)
-        np.testing.assert_array_equal(got, m.rows[rows])
-        np.testing.assert_array_equal(state, m.state[rows])
-        return ()
-    bad, err = _bad_ids(data, rows, t.num_rows)
-    return (lambda: t.read_with_state(bad)), err
+    def check(got: tuple[np.ndarray, np.ndarray], rows: np.ndarray) -> None:
+        np.testing.assert_array_equal(got[0], m.rows[rows])
+        np.testing.assert_array_equal(got[1], m.state[rows])
+
+    return _call_physical_read(data, m, valid, m.table.read_with_state, check)
 
 
 def call_write_physical(data: st.DataObject, m: Model, valid: bool) -> tuple:

@@ -10,7 +10,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import threading
 import tracemalloc
 
 import numpy as np
@@ -22,6 +21,7 @@ import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.wal import WAL_DIR, WriteAheadLog, read_records
 from faultfs import needs_mount
+from log_faults import HeldLosingSync, LosingSync, WatchedLock, in_thread, queued_or_done, until
 
 ROWS, DIM = 200, 4
 CONFIG = StoreConfig((TableConfig("t", ROWS, DIM, tiers=(TierConfig("dram", 64 * DIM * 4, "lru"), TierConfig("ssd"))),
@@ -321,29 +321,6 @@ def test_a_failed_sync_of_the_cut_refuses_log_syncs_until_a_flush(store_path, mo
         np.testing.assert_array_equal(s["t"].lookup(np.array([1, 3]))[:, 0], [1.0, 3.0])
 
 
-class LosingSync:
-    """``os.fdatasync`` that fails once, after putting back zeros where the bytes written since the
-    file's last good sync were (what a failed writeback leaves once the kernel drops the pages it marked
-    clean); every other call is real. The EIO cannot be aimed at one log sync for real."""
-
-    def __init__(self, fail_at: int) -> None:
-        self.calls, self.fail_at = 0, fail_at
-        self.synced: dict[str, int] = {}
-        self.real = os.fdatasync
-
-    def __call__(self, fd: int) -> None:
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        self.calls += 1
-        if self.calls == self.fail_at:
-            good, size = self.synced.get(path, 0), os.fstat(fd).st_size
-            with open(path, "r+b") as f:
-                f.seek(good)
-                f.write(b"\0" * (size - good))
-            raise OSError(errno.EIO, "Input/output error")
-        self.real(fd)
-        self.synced[path] = os.fstat(fd).st_size
-
-
 def test_a_failed_log_sync_is_not_retried(store_path, monkeypatch) -> None:
     """A retried sync would "succeed" without the lost pages, acknowledging a write that replay cannot
     reach (it stops at the hole): sync_log refuses until a flush has made the writes durable instead."""
@@ -425,63 +402,36 @@ def test_a_write_logged_while_a_flush_retires_a_failed_segment_stays_logged(stor
         np.testing.assert_array_equal(c["t"].lookup(np.array([1, 2, 5]))[:, 0], [1.0, 2.0, 5.0])
 
 
-class HeldLosingSync(LosingSync):
-    """:class:`LosingSync` whose failing call loses the pages at once, then holds its EIO until
-    ``release`` is set: the window in which another sync of the same open file description would
-    "succeed" without them (Linux reports a write-back error once per description)."""
-
-    def __init__(self, fail_at: int) -> None:
-        super().__init__(fail_at)
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def __call__(self, fd: int) -> None:
-        if self.calls + 1 != self.fail_at:
-            return super().__call__(fd)
-        self.calls += 1
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        good, size = self.synced.get(path, 0), os.fstat(fd).st_size
-        with open(path, "r+b") as f:
-            f.seek(good)
-            f.write(b"\0" * (size - good))
-        self.entered.set()
-        self.release.wait(30)
-        raise OSError(errno.EIO, "Input/output error")
+def one_synced_write_and_one_to_lose(s, monkeypatch) -> HeldLosingSync:
+    """Log write 1 and sync it, then log write 2: the next log sync fails (held), losing write 2's pages."""
+    sync = HeldLosingSync(fail_at=2)
+    monkeypatch.setattr(os, "fdatasync", sync)
+    s.update_logged("t", np.array([1]), rows_of(1.0))
+    s.sync_log()
+    s.update_logged("t", np.array([2]), rows_of(2.0))
+    return sync
 
 
 def run_beside_a_failing_sync(s, sync: HeldLosingSync, other) -> BaseException | None:
     """Run ``s.sync_log()`` (it fails, held) and ``other()`` in threads; release the failure once
-    ``other`` has returned or had 0.5 s to overlap it. Returns what ``other`` raised, if anything."""
-    outcome: dict[str, BaseException | None] = {}
-
-    def call(key: str, fn) -> None:
-        try:
-            fn()
-            outcome[key] = None
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            outcome[key] = exc
-
-    a = threading.Thread(target=call, args=("sync", s.sync_log))
-    a.start()
+    ``other`` has returned or queued for the log's sync lock behind it. Returns what ``other`` raised."""
+    s._sync_lock = WatchedLock(s._sync_lock)
+    a, synced = in_thread(s.sync_log, "sync")
     assert sync.entered.wait(30)
-    b = threading.Thread(target=call, args=("other", other))
-    b.start()
-    b.join(0.5)
+    b, outcome = in_thread(other, "other")
+    until(lambda: queued_or_done(s._sync_lock, b), "the other call to queue behind the sync or return")
     sync.release.set()
     a.join(30)
     b.join(30)
-    assert isinstance(outcome["sync"], embstore.TierIOError)
-    return outcome["other"]
+    assert isinstance(synced[0], embstore.TierIOError)
+    return outcome[0]
 
 
 def test_a_sync_racing_a_failed_one_does_not_acknowledge(store_path, monkeypatch) -> None:
     """Two concurrent sync_log calls: when one fails, the other must not report the lost write
     durable. Its sync, on a duplicate of the same descriptor, would "succeed" without the lost pages."""
     with embstore.open(store_path) as s:
-        sync = HeldLosingSync(fail_at=2)
-        monkeypatch.setattr(os, "fdatasync", sync)
-        s.update_logged("t", np.array([1]), rows_of(1.0))
-        s.sync_log()
-        s.update_logged("t", np.array([2]), rows_of(2.0))
+        sync = one_synced_write_and_one_to_lose(s, monkeypatch)
 
         def write_and_sync() -> None:
             s.update_logged("t", np.array([3]), rows_of(3.0))
@@ -502,11 +452,7 @@ def test_a_flush_racing_a_failed_log_sync_leaves_a_store_that_opens(store_path, 
     take the damaged segment for synced, or its hole is damage before the next segment and the
     store cannot be opened after a crash."""
     with embstore.open(store_path) as s:
-        sync = HeldLosingSync(fail_at=2)
-        monkeypatch.setattr(os, "fdatasync", sync)
-        s.update_logged("t", np.array([1]), rows_of(1.0))
-        s.sync_log()
-        s.update_logged("t", np.array([2]), rows_of(2.0))
+        sync = one_synced_write_and_one_to_lose(s, monkeypatch)
         table_flush = s["t"].flush
 
         def disk_fails() -> None:

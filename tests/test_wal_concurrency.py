@@ -50,6 +50,7 @@ from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.store import CREATING_FILE
 from embstore.wal import WAL_DIR
 from homes import home_tier
+from log_faults import in_thread
 
 ROWS, DIM = 40, 4
 TABLES = ("a", "b")
@@ -462,22 +463,6 @@ class ScriptedSync:
         self.synced[path] = size
 
 
-def in_thread(fn) -> tuple[threading.Thread, list[BaseException | None]]:
-    """Start ``fn`` in a thread; the list gets what it raised (None if nothing) when it ends."""
-    out: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            fn()
-            out.append(None)
-        except BaseException as exc:  # noqa: BLE001 - inspected by the caller
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
-
-
 def disk_full(ids, rows) -> None:
     """A logged write's apply that fails (a full disk under a write-back), before it changes anything."""
     raise embstore.DiskFullError("ssd", "write", errno.ENOSPC)
@@ -485,6 +470,18 @@ def disk_full(ids, rows) -> None:
 
 def row(value: float) -> np.ndarray:
     return np.full((1, DIM), value, np.float32)
+
+
+def sync_then_power_cut(store: embstore.Store, crash: Path) -> bool:
+    """Whether a ``sync_log`` now acknowledges the store's writes; then copy the store to ``crash``, as a
+    power cut would leave it."""
+    try:
+        store.sync_log()
+        acknowledged = True
+    except embstore.TierIOError:
+        acknowledged = False
+    shutil.copytree(store.path, crash)
+    return acknowledged
 
 
 def test_a_log_sync_racing_a_failed_retract_does_not_acknowledge(tmp_path, monkeypatch) -> None:
@@ -543,12 +540,7 @@ def test_a_failed_sync_of_the_new_segment_during_a_flush_is_not_forgotten(tmp_pa
         monkeypatch.setattr(table, "flush", flush_then_writes)
         store.flush()
         monkeypatch.setattr(table, "flush", real_flush)
-        try:
-            store.sync_log()
-            acknowledged = True
-        except embstore.TierIOError:
-            acknowledged = False
-        shutil.copytree(path, tmp_path / "crash")
+        acknowledged = sync_then_power_cut(store, tmp_path / "crash")
         monkeypatch.undo()
     with embstore.open(tmp_path / "crash") as crashed:
         assert crashed["a"].lookup(np.array([1]))[0, 0] == 1.0  # the flush covered it
@@ -577,12 +569,7 @@ def test_a_flush_that_fails_after_sealing_a_failed_segment_acknowledges_nothing(
         with pytest.raises(embstore.TierIOError):
             store.flush()
         monkeypatch.setattr(store["a"], "flush", real_flush)
-        try:
-            store.sync_log()
-            acknowledged = True
-        except embstore.TierIOError:
-            acknowledged = False
-        shutil.copytree(path, tmp_path / "crash")
+        acknowledged = sync_then_power_cut(store, tmp_path / "crash")
         monkeypatch.undo()
     with embstore.open(tmp_path / "crash") as crashed:
         if acknowledged:
