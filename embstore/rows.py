@@ -63,7 +63,8 @@ class RowFormat:
         if self.dtype is RowDType.FLOAT16 and rows.size:
             if float(np.abs(rows).max()) >= FLOAT16_LIMIT:
                 row, col = np.argwhere(np.abs(rows) >= FLOAT16_LIMIT)[0]
-                raise InvalidRowsError(f"rows must fit float16 (|x| <= 65504) in this float16 table; "
+                raise InvalidRowsError(f"rows must fit float16 (|x| < 65520, which rounds to its largest value, "
+                                       f"65504) in this float16 table; "
                                        f"row {row} holds {float(rows[row, col]):g}")
 
     def encode(self, rows: Rows, state: np.ndarray | None = None) -> RowBytes:

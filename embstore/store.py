@@ -532,11 +532,16 @@ def create(path: str | os.PathLike, config: StoreConfig | str | os.PathLike) -> 
         (p / CREATING_FILE).unlink()
         fsync_dir(p)
     except BaseException:  # leave no half-made store behind, which neither open() nor a second create() takes
-        if store is not None:
-            close_all(list(store.tables.values()))
-        if ours:  # never a folder another create() holds or made
-            _remove_contents(p, keep_dir=not created)
-        _unlock_store(lock_fd)
+        try:
+            if store is not None:
+                close_all(list(store.tables.values()))
+            if ours:  # never a folder another create() holds or made
+                _remove_contents(p, keep_dir=not created)
+        except Exception as cleanup:  # the caller needs the first error; what is left keeps its .creating mark
+            log.warning("create(%s) failed, and so did removing what it made (%s); a later create() of the "
+                        "same path removes it", p, cleanup)
+        finally:
+            _unlock_store(lock_fd)
         raise
     log.info("created store %s with tables %s", p, [t.name for t in cfg.tables])
     return store

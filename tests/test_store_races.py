@@ -150,6 +150,27 @@ def test_a_failed_create_keeps_its_lock_until_it_has_removed_what_it_made(tmp_pa
     assert not path.exists()
 
 
+@pytest.mark.parametrize("step", ["close_all", "_remove_contents"])
+def test_a_create_whose_cleanup_fails_still_raises_its_error_and_lets_go(tmp_path, monkeypatch, caplog,
+                                                                        step) -> None:
+    """A create() that fails, and whose clean-up fails too (the folder removed under it: EBUSY, ENOENT),
+    raises its first error, not the clean-up's, and releases the lock: before, the clean-up's OSError
+    replaced the error and the lock was held until the process ended. A later create() of the path
+    removes the debris and succeeds."""
+    path = tmp_path / "s"
+    path.mkdir()  # kept on failure: the clean-up empties it
+    fails_once(monkeypatch, "_write_manifest")
+    monkeypatch.setattr(store_module, step, lambda *a, **k: (_ for _ in ()).throw(OSError(16, "Device busy")))
+    with pytest.raises(embstore.DiskFullError):
+        embstore.create(path, CONFIG)
+    assert "so did removing what it made" in caplog.text
+    monkeypatch.undo()
+    with embstore.create(path, CONFIG) as again:  # the lock was released, and the debris is removed
+        again["t"].update(np.array([3]), row(3.0))
+    with embstore.open(path) as reopened:
+        assert reopened["t"].lookup(np.array([3]))[0, 0] == 3.0
+
+
 # --- the lock file replaced under a waiting create() ----------------------------------------------------------
 
 class PausedFlock:

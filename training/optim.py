@@ -98,7 +98,7 @@ def overflow_error(table: str, cfg: OptimConfig, skipped: int, total: int, float
     if cfg.eps == 0.0 and cfg.name != "sgd":
         eps_hint = "; with eps=0 a row whose gradient is 0 divides 0 by 0: pass eps > 0"
     what = ("inf or NaN (a float32 overflow from a finite gradient)" if not float16 else
-            "inf or NaN, or values beyond float16's range (|x| <= 65504) of this float16 table,")
+            "inf or NaN, or values beyond float16's range (|x| < 65520) of this float16 table,")
     return InvalidRowsError(
         f"table {table!r}: the {cfg.name} step would have written {what} into {skipped} of its {total} rows or "
         f"their optimizer state; those rows keep their previous values and state, the batch's other rows were "
