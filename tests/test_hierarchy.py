@@ -423,6 +423,7 @@ def test_kernel_threads_by_work_size() -> None:
 
     from embstore import kernels
 
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # not whatever an earlier test (or a bug) left
     full = numba.get_num_threads()
     with kernels.kernel_threads(kernels.PARALLEL_MIN_ITEMS - 1) as n:
         assert n == 1 and numba.get_num_threads() == 1
