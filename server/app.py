@@ -122,7 +122,7 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
                 app.state.shutdown_error = exc
                 raise
 
-    app = FastAPI(title="embstore", version="1", lifespan=lifespan,
+    app = FastAPI(title="embstore", version="1", lifespan=lifespan, redirect_slashes=False,  # a 404, not a 307
                   description="Lookups of a tiered embedding store (embstore SPEC section 5).")
     app.state.gate = gate
     app.state.metrics = metrics
@@ -145,6 +145,12 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
         if rows.nbytes > OFFLOAD_BYTES:
             return await offload(protocol.rows_response, rows, binary)
         return protocol.rows_response(rows, binary)
+
+    def json_only(request: Request) -> None:
+        """Rows and predictions have no binary form: say so, rather than report the body as bad JSON."""
+        if protocol.is_binary(request):
+            raise ApiError(400, f"{request.method} {request.url.path} takes a JSON body (Content-Type "
+                                f"application/json), not {protocol.BINARY}")
 
     async def parse(fn: Callable[..., Any], body: bytes, *args: Any) -> Any:
         """``fn(body, *args)``; large bodies are parsed in a worker thread."""
@@ -201,6 +207,7 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
              openapi_extra=_body(RowsRequest, None))
     async def put_rows(name: str, request: Request) -> Response:
         require_token(request)
+        json_only(request)
         body = await request.body()
         async with gate.lease() as served:
             dim = served.service(name).table.dim
@@ -218,6 +225,7 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
     @app.post("/v1/models/{name}/predict", response_model=PredictResponse,
               responses=_errors(400, 404, 413, 422, 503, 504), openapi_extra=_body(PredictRequest, None))
     async def predict(name: str, request: Request) -> Response:
+        json_only(request)
         body = await request.body()
         async with gate.lease() as served:
             model = served.model(name)

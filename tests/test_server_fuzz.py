@@ -785,7 +785,7 @@ EDGES = [  # (method, path, request keyword arguments, status, words of the answ
     ("PUT", "/v1/tables/f16/rows", {"json": {"ids": [1], "embeddings": [[0, 0, 0, 70000.0]]}, "headers": AUTH}, 422,
      "float16"),
     ("PUT", "/v1/tables/f32/rows", {"content": _i64(1) + np.zeros(DIM, "<f4").tobytes(), "headers": AUTH | BIN}, 400,
-     "invalid json"),
+     "takes a json body"),
     ("POST", "/v1/models/m/predict", {"json": {"dense": [[0.0] * NUM_DENSE] * (MAX_IDS + 1),
                                                "sparse": {t: [[]] * (MAX_IDS + 1) for t in MODEL_TABLES}}}, 413,
      f"{MAX_IDS + 1} samples"),
@@ -986,3 +986,22 @@ CHECKS: list[Callable[[Any, st.DataObject], None]] = [check_lookup_json, check_l
 @given(data=st.data())
 def test_heavy_fuzz(server, check, data):
     check(server, data)
+
+
+@pytest.mark.parametrize("method,path", [("PUT", "/v1/tables/f32/rows"), ("POST", "/v1/models/m/predict")])
+def test_a_binary_body_on_a_json_only_route_says_so(server, method, path):
+    """Rows and predictions have no binary form: the answer names the content type the route takes
+    (it said "Invalid JSON"), and nothing is written."""
+    http, model, _ = server
+    resp = send(http, method, path, content=b"\0" * 16, headers=AUTH | {"Content-Type": BINARY})
+    expect(resp, 400, path)
+    assert "takes a JSON body" in resp.json()["detail"]
+    assert_store_is(http, model)
+
+
+@pytest.mark.parametrize("path", ["/v1/tables/f32/", "/v1/tables/f32%2F", "/v1/tables/"])
+def test_a_trailing_slash_is_no_such_path_not_a_redirect(server, path):
+    """Starlette redirected ``/v1/tables/f32/`` to the name without the slash (307), which a client
+    following redirects took for that table; a path no route has is a 404."""
+    http, _, _ = server
+    expect(send(http, "GET", path), 404, path)
