@@ -58,6 +58,12 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` with ``data`` (see :func:`atomic_file`)."""
-    with atomic_file(path) as f:
-        f.write(data)
+    """Replace ``path`` with ``data`` (see :func:`atomic_file`). Any ``OSError`` names ``path``: here every
+    write is to it (a full disk's one line then says which file could not be written)."""
+    try:
+        with atomic_file(path) as f:
+            f.write(data)
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from None

@@ -14,6 +14,7 @@ import numpy as np
 
 from embstore.atomic import atomic_file
 from embstore.errors import InvalidInputError, InvalidRowsError
+from embstore.files import check_regular_file
 from embstore.table import Table
 from embstore.traces import NPY_READ_ERRORS
 
@@ -29,11 +30,9 @@ _NPY_MAGIC = b"\x93NUMPY"
 def open_npy(path: str | os.PathLike) -> np.ndarray:
     """A read-only memory map of a .npy file: a header declaring more rows than the file holds is an
     error here, not an allocation of that size. Damaged files raise :class:`InvalidInputError`."""
-    try:
-        with open(path, "rb") as f:  # numpy takes any other bytes for a pickle and says so, misleadingly
-            head = f.read(len(_NPY_MAGIC))
-    except IsADirectoryError as exc:
-        raise InvalidInputError(f"{path}: a directory, not a .npy file") from exc
+    check_regular_file(path, ".npy file")  # a FIFO would block open() forever; a directory is said as such
+    with open(path, "rb") as f:  # numpy takes any other bytes for a pickle and says so, misleadingly
+        head = f.read(len(_NPY_MAGIC))
     if head != _NPY_MAGIC and not head.startswith(b"PK"):  # PK: a zip (.npz), refused below with its own words
         what = "an empty file" if not head else "no .npy header (numpy.save writes one)"
         raise InvalidInputError(f"{path}: not a readable .npy array ({what})")

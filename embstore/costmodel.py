@@ -29,6 +29,7 @@ import numpy as np
 
 from embstore.atomic import atomic_write
 from embstore.errors import InvalidInputError
+from embstore.files import check_regular_file
 
 __all__ = ["CostModel", "DEFAULT_PATH", "calibrate", "default_model", "load", "save"]
 
@@ -106,6 +107,7 @@ def save(model: CostModel, path: str | os.PathLike | None = None) -> Path:
 
 def load(path: str | os.PathLike | None = None) -> CostModel:
     p = Path(path) if path is not None else DEFAULT_PATH
+    check_regular_file(p, "cost model")  # a FIFO would block the read forever
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:

@@ -16,16 +16,20 @@ Formats read by :func:`load` (written: only npz, by :func:`save`):
 * ``.npz`` with ``ids``, ``table``, ``batch_offsets`` and optional ``table_names``
   (SPEC section 6).
 * Meta's ``dlrm_datasets`` release: ``indices, offsets, lengths = torch.load(f)``,
-  optionally gzipped. ``lengths`` has shape ``(T, B)``; bag ``t * B + b`` (table
-  t, sample b) is ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (table-major,
-  as fbgemm's TBE takes it). By default the whole file is one batch of B
+  optionally gzipped (inflated into the temporary folder, to at most
+  :data:`GZIP_MAX_RATIO` times the gzipped size or :data:`GZIP_MIN_LIMIT`).
+  ``lengths`` has shape ``(T, B)``; bag ``t * B + b`` (table t, sample b) is
+  ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (table-major, as fbgemm's TBE
+  takes it). By default the whole file is one batch of B
   samples. With ``batch_size=S`` samples ``[kS, (k+1)S)`` form batch k (the
   last batch may be shorter). Inside a batch the order is **table-major**, as
   in the file: table 0's bags for the batch's samples in sample order, then
   table 1's, and so on.
 * CSV with header ``table,id`` (optionally a third column ``batch``, batch
   numbers that never decrease). ``table`` is a table index or a table name
-  (names get indices in order of first appearance). Without a ``batch`` column
+  (names get indices in order of first appearance). Numbers are ASCII decimal
+  integers with an optional sign (no ``1_000``, no other scripts' digits); blank
+  lines are skipped, and every error names its line. Without a ``batch`` column
   the file is one batch. CSV is meant for small hand-made traces.
 
 Statistics (:func:`trace_stats`) follow the definitions used for the published
@@ -38,10 +42,11 @@ batches weighted by lookups.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import math
 import os
-import shutil
+import re
 import struct
 import tempfile
 import tokenize
@@ -61,6 +66,7 @@ from embstore.arrays import Ids
 from embstore.atomic import atomic_file
 from embstore.belady import dedup_batches, densify
 from embstore.errors import CorruptStoreError, EmbstoreError, InvalidInputError
+from embstore.files import check_regular_file, zip_crc_failure
 from embstore.stackdist import stack_distances
 
 __all__ = [
@@ -216,8 +222,7 @@ def load(path: str | os.PathLike[str], *, batch_size: int | None = None, format:
     p = Path(path)
     if not p.exists():
         raise InvalidInputError(f"trace file {str(p)!r} does not exist")
-    if p.is_dir():
-        raise InvalidInputError(f"trace file {str(p)!r} is a directory")
+    check_regular_file(p, "trace file")  # a FIFO would block open() forever, /dev/zero never end
     fmt = format or _guess_format(p)
     if fmt not in FORMATS:
         raise InvalidInputError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -335,6 +340,38 @@ def _check_npz_sizes(p: Path) -> None:
                                         f"{shape} ({declared} bytes) but holds {info.file_size - header} bytes")
 
 
+# A gzipped Meta trace is inflated to a temporary file (torch.load needs random access). Real traces shrink
+# 3-60 times in gzip (60: indices all zero); deflate reaches ~1030, which is what a gzip bomb uses to fill
+# the temporary folder from a small file. Inflating stops past this ratio (or the floor, for small files).
+GZIP_MAX_RATIO = 200
+GZIP_MIN_LIMIT = 256 << 20
+_INFLATE_CHUNK = 1 << 24
+
+
+def _inflate(p: Path, out: Any) -> None:
+    """Inflate the gzip file ``p`` into the open binary file ``out``, refusing a likely gzip bomb (see
+    :data:`GZIP_MAX_RATIO`) before writing past the limit; a full temporary folder is an ``OSError``
+    that says so (not a corrupt trace)."""
+    limit = max(GZIP_MIN_LIMIT, GZIP_MAX_RATIO * p.stat().st_size)
+    written = 0
+    try:
+        with gzip.open(p, "rb") as inp:
+            while chunk := inp.read(_INFLATE_CHUNK):
+                written += len(chunk)
+                if written > limit:
+                    raise CorruptStoreError(
+                        f"trace file {str(p)!r} inflates to more than {limit:,} bytes ({GZIP_MAX_RATIO} times its "
+                        f"gzipped size, or at least {GZIP_MIN_LIMIT >> 20} MiB): refused as a likely gzip bomb; if "
+                        "it is a real trace, gunzip it yourself and load the .pt")
+                out.write(chunk)
+        out.flush()
+    except OSError as exc:  # a damaged gzip stream (BadGzipFile, EOFError) is left to the caller
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OSError(exc.errno, f"{exc.strerror}: inflating {str(p)!r} into {tempfile.gettempdir()!r} "
+                                 "(set TMPDIR to a folder with more room, or gunzip it there first)") from exc
+
+
 def _torch_load(p: Path) -> Any:
     import torch
 
@@ -345,13 +382,21 @@ def _torch_load(p: Path) -> Any:
         src = p
         if gz:  # torch.load needs random access; inflate to a temporary file first
             fd, tmp_name = tempfile.mkstemp(suffix=".pt")
-            with os.fdopen(fd, "wb") as out, gzip.open(p, "rb") as inp:
-                shutil.copyfileobj(inp, out, length=1 << 24)
+            with os.fdopen(fd, "wb") as out:
+                _inflate(p, out)
             src = Path(tmp_name)
+        crc = zip_crc_failure(src)  # torch.load does not check: a flipped bit would be a different trace
+        if crc is not None:
+            raise CorruptStoreError(f"trace file {str(p)!r} is not a readable torch file{' (gzipped)' if gz else ''}: "
+                                    f"{crc}")
         with warnings.catch_warnings():  # torch warns of pickle protocols it was not written with: noise
             warnings.simplefilter("ignore", UserWarning)
             return torch.load(src, map_location="cpu", weights_only=True)
+    except CorruptStoreError:
+        raise  # a gzip bomb (said by _inflate), a failed CRC
     except Exception as exc:  # torch.load raises many types (RuntimeError, UnpicklingError, ...) on bad files
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # no room to inflate into (said by _inflate): the machine's fault, not the trace's
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # its advice runs to many lines
         raise CorruptStoreError(f"trace file {str(p)!r} is not a readable torch file"
                                 f"{' (gzipped)' if gz else ''}: {type(exc).__name__}: {first}") from exc
@@ -423,79 +468,81 @@ def _load_meta(p: Path, batch_size: int | None) -> Trace:
     return Trace(indices[pos], table, cum[np.array(bounds, dtype=np.int64)], names)
 
 
+# A CSV number: ASCII digits with an optional sign. int() also takes '1_000', and digits of other scripts
+# ('\u0661\u0662' is 12): a trace is a file another program wrote, where such a cell is damage, not a number.
+_CSV_INT = re.compile(r"[+-]?[0-9]+")
+
+
 def _load_csv(p: Path) -> Trace:
+    """Read a CSV trace line by line (blank lines skipped); every error names the line it is about."""
+
+    def bad(line: int, why: str) -> InvalidInputError:
+        return InvalidInputError(f"trace file {str(p)!r}: line {line}: {why}")
+
     try:
         with open(p, encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
             header = [h.strip().lower() for h in f.readline().strip().split(",")]
             if header not in (["table", "id"], ["table", "id", "batch"]):
                 raise InvalidInputError(f"trace file {str(p)!r}: expected the CSV header 'table,id' "
                                         f"(or 'table,id,batch'), got {','.join(header)!r}")
-            with_batch = len(header) == 3
-            with warnings.catch_warnings():  # a header-only file is an empty trace, not a warning
-                warnings.simplefilter("ignore", UserWarning)
-                rows = np.loadtxt(f, delimiter=",", dtype=np.str_, ndmin=2, comments=None)
+            rows: list[list[str]] = []
+            lines: list[int] = []  # each row's line number in the file
+            for n, text in enumerate(f, start=2):
+                if not text.strip():
+                    continue
+                row = [c.strip() for c in text.split(",")]
+                if len(row) != len(header):
+                    raise bad(n, f"malformed CSV: rows have {len(row)} columns, header has {len(header)}")
+                rows.append(row)
+                lines.append(n)
     except UnicodeDecodeError as exc:
         raise CorruptStoreError(f"trace file {str(p)!r} is not a UTF-8 CSV file: {exc}") from exc
-    except InvalidInputError:  # the header check above (a ValueError too): already says what is wrong
-        raise
-    except ValueError as exc:  # ragged rows
-        raise InvalidInputError(f"trace file {str(p)!r}: malformed CSV: {exc}") from exc
     except OSError as exc:
         raise CorruptStoreError(f"trace file {str(p)!r} cannot be read: {exc}") from exc
-    if rows.size == 0:
-        rows = np.zeros((0, len(header)), dtype=np.str_)
-    if rows.shape[1] != len(header):
-        raise InvalidInputError(f"trace file {str(p)!r}: rows have {rows.shape[1]} columns, header has {len(header)}")
-    rows = np.char.strip(rows)
 
-    def ints(col: np.ndarray, what: str) -> np.ndarray:
-        try:
-            return col.astype(np.int64)
-        except (ValueError, OverflowError):
-            bad = next(i for i, s in enumerate(col.tolist()) if not _is_int64(s))
-            raise InvalidInputError(f"trace file {str(p)!r}: line {bad + 2}: {what} {str(col[bad])!r} is not an "
-                                    f"integer in the int64 range") from None
+    def ints(col: int, what: str, dtype: type) -> np.ndarray:
+        info = np.iinfo(dtype)
+        out = np.empty(len(rows), dtype=dtype)
+        for i, (row, n) in enumerate(zip(rows, lines)):
+            cell = row[col]
+            # the length first: int() refuses strings of over 4300 digits with a ValueError of its own
+            if not (_CSV_INT.fullmatch(cell) and len(cell) <= 21 and info.min <= int(cell) <= info.max):
+                shown = repr(cell) if len(cell) <= 40 else f"{cell[:40]!r}.. ({len(cell)} characters)"
+                raise bad(n, f"{what} {shown} is not an integer in the {info.dtype.name} range "
+                             "(ASCII digits, optionally signed)")
+            out[i] = int(cell)
+        return out
 
-    ids = ints(rows[:, 1], "id")
-    tcol = rows[:, 0]
-    if tcol.size and all(_is_int(s) for s in np.unique(tcol).tolist()):
-        table = ints(tcol, "table")
-        if table.size and table.min() < 0:
-            raise InvalidInputError(f"trace file {str(p)!r}: table indices must be >= 0")
-        names: tuple[str, ...] = ()
-    else:
-        uniq, first, inv = np.unique(tcol, return_index=True, return_inverse=True)
-        rank = np.empty(uniq.size, dtype=np.int64)
-        rank[np.argsort(first, kind="stable")] = np.arange(uniq.size)
-        table = rank[inv.reshape(-1)]
-        names = tuple(str(uniq[i]) for i in np.argsort(first, kind="stable"))
-    if with_batch:
-        b = ints(rows[:, 2], "batch")
+    ids = ints(1, "id", np.int64)
+    names: tuple[str, ...] = ()
+    if all(_CSV_INT.fullmatch(row[0]) for row in rows):  # table indices
+        table = ints(0, "table", np.int32)
+        if table.size:
+            lo, hi = int(table.argmin()), int(table.argmax())
+            if table[lo] < 0:
+                raise bad(lines[lo], f"table indices must be >= 0, got {int(table[lo])}")
+            try:
+                names = default_table_names(int(table[hi]) + 1)
+            except InvalidInputError as exc:
+                raise bad(lines[hi], str(exc)) from None
+    else:  # table names, numbered in order of first appearance
+        index: dict[str, int] = {}
+        for row, n in zip(rows, lines):
+            if not row[0]:
+                raise bad(n, "the table cell is empty (give a table name or index)")
+            index.setdefault(row[0], len(index))
+        table = np.array([index[row[0]] for row in rows], dtype=np.int32)
+        names = tuple(index)
+    if len(header) == 3:
+        b = ints(2, "batch", np.int64)
         if b.size and np.any(np.diff(b) < 0):
-            bad = int(np.argmax(np.diff(b) < 0)) + 1
-            raise InvalidInputError(f"trace file {str(p)!r}: line {bad + 2}: batch numbers must not decrease")
+            at = int(np.argmax(np.diff(b) < 0)) + 1
+            raise bad(lines[at], "batch numbers must not decrease")
         starts = np.flatnonzero(np.diff(b)) + 1
         off = np.concatenate([[0], starts, [ids.size]]).astype(np.int64)
     else:
         off = np.array([0, ids.size], dtype=np.int64)
     return Trace(ids, table, off, names)
-
-
-def _is_int(s: str) -> bool:
-    try:
-        int(s)
-        return True
-    except ValueError:
-        return False
-
-
-def _is_int64(s: str) -> bool:
-    """Whether numpy casts ``s`` to int64 (``int()`` also takes 99999999999999999999): finds the bad cell."""
-    try:
-        np.array(s).astype(np.int64)
-        return True
-    except (ValueError, OverflowError):
-        return False
 
 
 # --------------------------------------------------------------------------- statistics

@@ -31,6 +31,7 @@ import numpy as np
 
 from embstore.atomic import atomic_file
 from embstore.errors import CorruptStoreError
+from embstore.files import not_a_regular_file
 
 MAGIC = b"EMBHASH\x01"
 _ALIGN = 64
@@ -79,6 +80,9 @@ def read_arrays(path: str | os.PathLike[str], verify: bool = True) -> tuple[dict
     def bad(why: str) -> CorruptStoreError:
         return CorruptStoreError(f"{path}: not a valid embstore hash mapping ({why})")
 
+    kind = not_a_regular_file(path)  # a FIFO would block open() forever (a directory: IsADirectoryError below)
+    if kind not in (None, "a directory"):
+        raise bad(f"it is {kind}, not a regular file")
     size = path.stat().st_size
     with open(path, "rb") as f:
         start = f.read(16)

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 import embstore
+from embstore.atomic import atomic_write
 from embstore.config import HashConfig, InitConfig, StoreConfig, TableConfig, TierConfig
 from embstore.errors import ConfigError, InvalidInputError
 from embstore.hashing import LearnedHash
@@ -507,7 +508,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(format_table(results))
     out = {"config": {"data": source, "run": asdict(cfg), "full_rows": data.full_rows}, "results": results}
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        atomic_write(args.json, json.dumps(out, indent=1).encode())  # a full disk keeps the previous file
     return out
 
 

@@ -12,24 +12,24 @@ Both files are written to temporary names and moved into place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import pickle
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+from torch import nn
 
-from embstore.errors import CorruptStoreError, InvalidInputError
 from embstore.atomic import atomic_file, atomic_write
+from embstore.errors import CorruptStoreError, InvalidInputError, TableExistsError
+from embstore.files import not_a_regular_file, zip_crc_failure
 from embstore.store import Store
 from embstore.training.dlrm import DLRM
 from embstore.training.ebc import TieredEmbeddingBagCollection
+from embstore.training.optim import OPTIMIZERS
 
 MODELS_DIR = "models"
-# what reading a damaged model.json / dense.pt raises (garbage or empty dense.pt: pickle / EOF errors)
-_UNREADABLE = (OSError, ValueError, TypeError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError)
 
 
 @dataclass(frozen=True)
@@ -63,34 +63,133 @@ def list_models(store_path: str | os.PathLike) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "model.json").exists()) if root.is_dir() else []
 
 
-def load_model(store: Store, name: str) -> DLRM:
-    """Rebuild model ``name`` over ``store``'s tables, in eval mode."""
-    folder = store.path / MODELS_DIR / name
-    if not (folder / "model.json").exists():
-        raise InvalidInputError(f"no model {name!r} in {store.path}; known: {', '.join(list_models(store.path))}")
+_MAX_WIDTH = (1 << 31) - 1  # a layer width, dim or count past this is damage (and past int64 a torch error)
+
+
+def _spec_from_json(raw: object) -> ModelSpec:
+    """``model.json``'s contents as a :class:`ModelSpec`, every field's type and bounds checked first: the
+    widths size the layers built from them. Raises ``ValueError`` saying what is wrong."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"holds a JSON {type(raw).__name__}, not an object")
+    fields = {f.name: f for f in dataclasses.fields(ModelSpec)}
+    missing = [k for k, f in fields.items() if f.default is dataclasses.MISSING and k not in raw]
+    unknown = sorted(set(raw) - set(fields))
+    if missing or unknown:
+        raise ValueError(f"lacks {missing} or has unknown keys {unknown}" if missing and unknown else
+                         f"lacks the key(s) {missing}" if missing else f"has unknown key(s) {unknown}")
+
+    def count(key: str, value: object, lo: int) -> int:
+        if type(value) is not int or not lo <= value <= _MAX_WIDTH:
+            raise ValueError(f"{key} must be an integer from {lo} to {_MAX_WIDTH}, got {value!r:.60}")
+        return value
+
+    def widths(key: str) -> tuple[int, ...]:
+        value = raw[key]
+        if not isinstance(value, list) or not value or len(value) > 1000:
+            raise ValueError(f"{key} must be a non-empty list of layer widths, got {value!r:.60}")
+        return tuple(count(key, w, 1) for w in value)
+
+    tables = raw["tables"]
+    if (not isinstance(tables, list) or not tables or not all(isinstance(t, str) and t for t in tables)
+            or len(set(tables)) != len(tables)):
+        raise ValueError(f"tables must be a non-empty list of distinct table names, got {tables!r:.60}")
+    spec = ModelSpec(tuple(tables), count("embedding_dim", raw["embedding_dim"], 1),
+                     count("dense_in_features", raw["dense_in_features"], 1), widths("dense_arch"),
+                     widths("over_arch"), raw.get("interaction", "dot"),
+                     count("dcn_layers", raw.get("dcn_layers", 3), 1),
+                     count("dcn_low_rank", raw.get("dcn_low_rank", 0), 0),
+                     raw.get("sparse_optimizer", "rowwise_adagrad"))
+    if spec.interaction not in ("dot", "dcn"):
+        raise ValueError(f"interaction must be 'dot' or 'dcn', got {spec.interaction!r:.60}")
+    if spec.sparse_optimizer not in OPTIMIZERS:
+        raise ValueError(f"sparse_optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.sparse_optimizer!r:.60}")
+    return spec
+
+
+def _shapes(spec: ModelSpec) -> dict[str, torch.Size]:
+    """The dense parameters' shapes ``spec`` implies, from a model built on the meta device (shapes only,
+    no memory): a damaged width such as 10**12 costs nothing here. Raises ``ValueError`` when ``spec``
+    describes no DLRM (e.g. ``dense_arch`` not ending in the embedding dim)."""
     try:
-        raw: dict[str, Any] = json.loads((folder / "model.json").read_text())
-        spec = ModelSpec(**{**raw, "tables": tuple(raw["tables"]), "dense_arch": tuple(raw["dense_arch"]),
-                            "over_arch": tuple(raw["over_arch"])})
-        dense = torch.load(folder / "dense.pt", weights_only=True)
-    except _UNREADABLE as exc:
-        raise CorruptStoreError(f"model {name!r} in {folder} cannot be read: {exc}") from exc
-    if isinstance(dense, dict):  # a NaN weight would make every prediction NaN, silently
-        bad = [k for k, v in dense.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
-               and not bool(torch.isfinite(v).all())]
-        if bad:
-            raise CorruptStoreError(f"model {name!r} in {folder}: dense.pt holds NaN or inf in {bad[0]!r}")
-    ebc = TieredEmbeddingBagCollection(store, list(spec.tables), optimizer=spec.sparse_optimizer)
+        with torch.device("meta"):
+            skeleton = DLRM(nn.Module(), len(spec.tables), spec.embedding_dim, spec.dense_in_features,
+                            spec.dense_arch, spec.over_arch, spec.interaction, spec.dcn_layers, spec.dcn_low_rank)
+    except (InvalidInputError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"describes no DLRM: {exc}") from exc
+    return {k: v.shape for k, v in skeleton.state_dict().items() if not k.startswith("sparse_arch.")}
+
+
+def _check_dense(want: dict[str, torch.Size], dense: object) -> str | None:
+    """Why the contents of ``dense.pt`` are not parameters of the shapes ``want``, or None. Once they
+    agree, the real model built from the widths is no larger than ``dense.pt`` itself."""
+    if not isinstance(dense, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in dense.items()):
+        return f"holds a {type(dense).__name__}, not a dict of named tensors"
+    if set(dense) != set(want):
+        return (f"does not fit model.json: missing {sorted(set(want) - set(dense))[:3]}, "
+                f"unexpected {sorted(set(dense) - set(want))[:3]}")
+    for key, t in dense.items():
+        if t.layout != torch.strided or not t.is_floating_point():
+            return f"holds {key!r} as a {t.dtype} ({t.layout}) tensor, not a dense floating-point one"
+        if t.shape != want[key]:
+            return f"holds {key!r} of shape {tuple(t.shape)}, but model.json's widths need {tuple(want[key])}"
+        if not bool(torch.isfinite(t).all()):  # a NaN weight would make every prediction NaN, silently
+            return f"holds NaN or inf in {key!r}"
+    return None
+
+
+def load_model(store: Store, name: str) -> DLRM:
+    """Rebuild model ``name`` over ``store``'s tables, in eval mode.
+
+    Both files are checked before anything is built or the store touched: a damaged, truncated or
+    mismatched ``model.json`` / ``dense.pt`` is a :class:`CorruptStoreError` naming the file.
+    """
+    folder = store.path / MODELS_DIR / name
+    spec_file, dense_file = folder / "model.json", folder / "dense.pt"
+    if not spec_file.exists():
+        raise InvalidInputError(f"no model {name!r} in {store.path}; known: {', '.join(list_models(store.path))}")
+
+    def bad(path: Path, why: str) -> CorruptStoreError:
+        return CorruptStoreError(f"model {name!r}: {str(path)!r}: {why}")
+
+    for path in (spec_file, dense_file):
+        kind = not_a_regular_file(path)  # a FIFO would block the read forever
+        if kind is not None:
+            raise bad(path, f"{kind}, not a regular file")
+    try:
+        raw = json.loads(spec_file.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON syntax, UTF-8
+        raise bad(spec_file, f"cannot be read: {type(exc).__name__}: {exc}") from exc
+    try:
+        spec = _spec_from_json(raw)
+        want = _shapes(spec)
+    except ValueError as exc:
+        raise bad(spec_file, str(exc)) from exc
+    try:
+        crc = zip_crc_failure(dense_file)  # torch.load does not check: a flipped bit would be another weight
+        dense = None if crc else torch.load(dense_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types on damaged bytes (RuntimeError, UnpicklingError, ...)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # its advice runs to many lines
+        raise bad(dense_file, f"cannot be read: {type(exc).__name__}: {first}") from exc
+    if crc is not None:
+        raise bad(dense_file, f"cannot be read: {crc}")
+    why = _check_dense(want, dense)
+    if why is not None:
+        raise bad(dense_file, why)
+    for table in spec.tables:  # checked here: building the EBC may re-lay-out an empty table first
+        if table not in store.tables:
+            raise bad(spec_file, f"names table {table!r}, which the store lacks (it has: "
+                                 f"{', '.join(sorted(store.tables)) or 'none'})")
+        if store.tables[table].dim != spec.embedding_dim:
+            raise bad(spec_file, f"says embedding_dim {spec.embedding_dim}, but table {table!r} has dim "
+                                 f"{store.tables[table].dim}")
+    try:  # a table holding rows laid out for another optimizer's state
+        ebc = TieredEmbeddingBagCollection(store, list(spec.tables), optimizer=spec.sparse_optimizer)
+    except (InvalidInputError, TableExistsError) as exc:
+        raise bad(spec_file, f"does not fit the store: {exc}") from exc
     model = DLRM(ebc, len(spec.tables), spec.embedding_dim, spec.dense_in_features, spec.dense_arch,
                  spec.over_arch, spec.interaction, spec.dcn_layers, spec.dcn_low_rank)
-    try:  # not a state dict, or a tensor of another shape
-        missing, unexpected = model.load_state_dict(dense, strict=False)
-    except (TypeError, RuntimeError) as exc:
-        raise CorruptStoreError(f"model {name!r} in {folder}: dense.pt does not fit its shape: {exc}") from exc
-    missing = [k for k in missing if not k.startswith("sparse_arch.")]
-    if missing or unexpected:
-        raise CorruptStoreError(f"model {name!r} in {folder}: parameters do not match its shape "
-                                f"(missing {missing[:3]}, unexpected {list(unexpected)[:3]})")
+    model.load_state_dict(dense, strict=False)  # checked above; not strict: the rows live in the store
     model.spec = spec  # type: ignore[attr-defined]
     return model.eval()
 

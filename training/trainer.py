@@ -43,6 +43,7 @@ from embstore.atomic import atomic_file, atomic_write
 from embstore.progress import progress_bar
 from embstore.config import HashKind, StoreConfig, TableConfig, from_toml_file
 from embstore.errors import ConfigError, CorruptStoreError, EmbstoreError
+from embstore.files import not_a_regular_file, zip_crc_failure
 from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader, SyntheticClicks
 from embstore.training.distributed import (DistContext, ShardedEmbeddingBags, average_gradients,
@@ -442,8 +443,11 @@ def plot_curves(result: TrainResult, path: Path, smooth: int = 20) -> None:
         b.legend()
     b.set(xlabel="step", title="held-out AUC and normalised entropy")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    try:
+        with atomic_file(path) as f:  # a full disk mid-write keeps the previous plot, not half a PNG
+            fig.savefig(f, format="png", dpi=90)
+    finally:
+        plt.close(fig)
 
 
 def _store_name(ctx: DistContext) -> str:
@@ -459,6 +463,9 @@ def latest_checkpoint(out: Path) -> Path | None:
     marker = out / "checkpoints" / "latest"
     if not marker.exists():
         return None
+    kind = not_a_regular_file(marker)  # a FIFO would block the read forever
+    if kind is not None:
+        raise CorruptStoreError(f"checkpoint marker {str(marker)!r} is {kind}, not a regular file")
     try:
         name = marker.read_bytes().decode("ascii").strip()
     except UnicodeDecodeError:
@@ -491,15 +498,21 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
                 f"{str(out / 'checkpoints' / 'latest')!r} to resume from it)") if earlier else ""
         return CorruptStoreError(f"checkpoint {str(path)!r} {why}{hint}")
 
+    kind = not_a_regular_file(path)  # a FIFO would block torch.load forever
+    if kind is not None:
+        raise bad(f"is {kind}, not a regular file")
     if not path.is_file():
         raise bad("is missing")
     try:
+        crc = zip_crc_failure(path)  # torch.load does not check: a flipped bit would be a different weight
         with warnings.catch_warnings():  # torch warns of pickle protocols it was not written with: noise
             warnings.simplefilter("ignore", UserWarning)
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = None if crc else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch.load raises many types on damaged bytes (RuntimeError, UnpicklingError, ...)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # its advice runs to many lines
         raise bad(f"cannot be read: {type(exc).__name__}: {first}") from exc
+    if crc is not None:
+        raise bad(f"cannot be read: {crc}")
     if not isinstance(state, dict):
         raise bad(f"holds a {type(state).__name__}, not a checkpoint")
     kinds = {"step": int, "model": dict, "optimizer": dict, "losses": list, "evals": list}
@@ -659,10 +672,10 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     if data.reader is not None:
         result.malformed_lines = data.reader.stats.malformed
     if ctx.is_main:
-        with open(out / "metrics.json", "w") as f:
-            json.dump({"step": result.step, "samples_per_s": result.samples_per_s,
-                       "malformed_lines": result.malformed_lines,
-                       "evals": [dict(step=s, **dataclasses.asdict(e)) for s, e in result.evals]}, f, indent=1)
+        metrics = {"step": result.step, "samples_per_s": result.samples_per_s,
+                   "malformed_lines": result.malformed_lines,
+                   "evals": [dict(step=s, **dataclasses.asdict(e)) for s, e in result.evals]}
+        atomic_write(out / "metrics.json", json.dumps(metrics, indent=1).encode())  # a full disk keeps the old one
     return result
 
 

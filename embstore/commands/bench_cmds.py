@@ -9,6 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
+from embstore.atomic import atomic_write
+
 BENCH_DIR = Path(__file__).resolve().parents[2] / "tools" / "bench"
 
 
@@ -58,7 +60,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             logging.getLogger("embstore.cli").debug("benchmark %s failed", name, exc_info=True)
             print(f"embstore bench: {name} failed: {exc if str(exc) else type(exc).__name__}", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=_plain))
+        # atomically: a full disk keeps the previous figures, not a truncated JSON file
+        atomic_write(args.json, json.dumps(results, indent=2, default=_plain).encode())
     if failed:
         print(f"embstore bench: {len(failed)} of {len(failed) + len(results)} failed: {', '.join(failed)}",
               file=sys.stderr)
