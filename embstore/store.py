@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from embstore.atomic import atomic_file, atomic_write, fsync_dir
 from embstore.config import HashKind, StoreConfig, TableConfig
+from embstore.files import not_a_regular_file
 from embstore.errors import (ConfigError, CorruptStoreError, EmbstoreError, StoreClosedError, StoreExistsError, StoreInUseError,
                              StoreNotFoundError, TableExistsError, UnknownTableError, tier_io_error)
 from embstore.hierarchy import Hierarchy
@@ -444,6 +445,10 @@ def _adopt_mappings(store_dir: Path, cfg: StoreConfig, base: Path) -> StoreConfi
         if t.hash.kind is HashKind.LEARNED:
             src = Path(t.hash.mapping)
             src = src if src.is_absolute() else base / src
+            kind = not_a_regular_file(src)
+            if kind is not None:  # a FIFO would block the copy forever
+                raise ConfigError("hash.mapping", f"table {t.name!r}: mapping file {str(src)!r} is {kind}, not a "
+                                  "regular file")
             if not src.is_file():
                 raise ConfigError("hash.mapping", f"table {t.name!r}: mapping file {str(src)!r} does not exist "
                                   "(fit one with `embstore hash fit`)")

@@ -533,6 +533,30 @@ def test_a_fifo_as_a_mapping_file_is_refused(tmp_path):
         LearnedHash.load(tmp_path)
 
 
+def test_a_fifo_as_a_learned_hash_mapping_in_a_store_config_is_a_config_error(tmp_path):
+    """create() copies a learned hash's mapping into the store: a FIFO there was reported as a file that
+    "does not exist"; it is refused as what it is, and no store is left behind."""
+    import embstore
+
+    p = fifo_at(tmp_path / "m.ehash")
+    cfg = embstore.StoreConfig.from_toml(
+        f'[[table]]\nname = "t"\nnum_embeddings = 8\ndim = 4\nhash = {{ kind = "learned", mapping = "{p}" }}\n'
+        'tiers = [{ kind = "mmap" }]\n')
+    with pytest.raises(ConfigError, match="is a FIFO"):
+        returns_within(lambda: embstore.create(tmp_path / "s", cfg), p)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_fifo_as_criteo_data_is_named_as_such(tmp_path):
+    """The reader said a FIFO "does not exist"; it is refused as what it is."""
+    from embstore.errors import InvalidInputError
+    from embstore.training.data import CriteoReader
+
+    p = fifo_at(tmp_path / "day_0")
+    with pytest.raises(InvalidInputError, match="is a FIFO"):
+        returns_within(lambda: CriteoReader(p, batch_size=4), p)
+
+
 @pytest.mark.parametrize("which", ["checkpoint", "marker"])
 def test_a_fifo_as_a_checkpoint_or_its_marker_is_refused(run, capsys, which):
     cfg, out, pt = run

@@ -48,6 +48,7 @@ import numpy.typing as npt
 import torch
 
 from embstore.errors import InvalidInputError
+from embstore.files import not_a_regular_file
 from embstore.modmath import INT64_MAX, affine_mod
 
 log = logging.getLogger("embstore.training.data")
@@ -244,6 +245,9 @@ class CriteoReader:
             self.paths = [self.paths]
         self.paths = [Path(p) for p in self.paths]
         for p in self.paths:
+            kind = not_a_regular_file(p)  # a FIFO blocks its open until a writer comes, and epochs reread it
+            if kind is not None:
+                raise InvalidInputError(f"Criteo data file {str(p)!r} is {kind}, not a regular file")
             if not p.is_file():
                 raise FileNotFoundError(f"Criteo data file {str(p)!r} does not exist")
         if self.batch_size < 1:
