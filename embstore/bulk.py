@@ -14,9 +14,8 @@ import numpy as np
 
 from embstore.atomic import atomic_file
 from embstore.errors import InvalidInputError, InvalidRowsError
-from embstore.files import check_regular_file
+from embstore.files import NPY_READ_ERRORS, check_regular_file
 from embstore.table import Table
-from embstore.traces import NPY_READ_ERRORS
 
 CHUNK_ROWS = 1 << 16
 MAX_EXPORT_ROWS = 1 << 31

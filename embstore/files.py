@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
+import tokenize
 import zipfile
+import zlib
 from collections.abc import Callable
 
 from embstore.errors import InvalidInputError
 
-__all__ = ["check_regular_file", "not_a_regular_file", "zip_crc_failure"]
+__all__ = ["NPY_READ_ERRORS", "check_regular_file", "not_a_regular_file", "zip_crc_failure"]
+
+# What numpy and zipfile raise on damaged bytes: a flipped bit in a zip entry's compression method is a
+# NotImplementedError, in a .npy header a tokenize.TokenError or SyntaxError, in deflated data a zlib.error.
+NPY_READ_ERRORS = (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, NotImplementedError,
+                   tokenize.TokenError, SyntaxError, zlib.error, struct.error,
+                   RuntimeError)  # RuntimeError: the entry's "encrypted" flag bit set
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))

@@ -49,10 +49,8 @@ import os
 import re
 import struct
 import tempfile
-import tokenize
 import warnings
 import zipfile
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,6 +64,7 @@ from embstore.arrays import Ids
 from embstore.atomic import atomic_file
 from embstore.belady import dedup_batches, densify
 from embstore.errors import CorruptStoreError, EmbstoreError, InvalidInputError
+from embstore.files import NPY_READ_ERRORS
 from embstore.files import check_regular_file, zip_crc_failure
 from embstore.stackdist import stack_distances
 
@@ -298,11 +297,6 @@ def _load_npz(p: Path) -> Trace:
     return Trace(ids, table, off, names)
 
 
-# What numpy and zipfile raise on damaged bytes: a flipped bit in a zip entry's compression method is a
-# NotImplementedError, in a .npy header a tokenize.TokenError or SyntaxError, in deflated data a zlib.error.
-NPY_READ_ERRORS = (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, NotImplementedError,
-                   tokenize.TokenError, SyntaxError, zlib.error, struct.error,
-                   RuntimeError)  # RuntimeError: the entry's "encrypted" flag bit set
 # Deflate inflates at most ~1032:1; a member claiming more is damaged (or a bomb), not data.
 _MAX_DEFLATE_RATIO = 1100
 
