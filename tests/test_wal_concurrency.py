@@ -116,7 +116,8 @@ class RandomLosingSync:
     does: the bytes written since the file's last good sync become zeros, EIO is raised once, and later
     calls really sync. Keeps, per file, how many bytes a good sync made durable (the size *before* the
     call: bytes appended during it may not be synced); ``ftruncate`` (a retract) lowers that, and a sync
-    that raced a truncate counts for nothing."""
+    that raced a truncate counts only up to the shortest length cut to meanwhile (the bytes below it were
+    written back: a later failing sync must not zero what it synced, while the store took it as synced)."""
 
     def __init__(self, seed: int, rate: float) -> None:
         self.seed, self.rate = seed, rate
@@ -125,6 +126,7 @@ class RandomLosingSync:
         self.calls = self.failures = 0
         self.synced: dict[str, int] = {}
         self._generation: dict[str, int] = {}
+        self._cuts: dict[str, list[tuple[int, int]]] = {}  # path -> (generation after, length) of each truncate
 
     def _fails(self, call: int) -> bool:
         return bool(np.random.default_rng([self.seed, 7, call]).random() < self.rate)
@@ -143,8 +145,8 @@ class RandomLosingSync:
             before, generation = os.fstat(fd).st_size, self._generation.get(path, 0)
         self.real_sync(fd)
         with self._lock:
-            if self._generation.get(path, 0) == generation:
-                self.synced[path] = max(self.synced.get(path, 0), before)
+            cut = min((length for g, length in self._cuts.get(path, ()) if g > generation), default=before)
+            self.synced[path] = max(self.synced.get(path, 0), min(before, cut))
 
     def ftruncate(self, fd: int, length: int) -> None:
         path = os.readlink(f"/proc/self/fd/{fd}")
@@ -152,6 +154,7 @@ class RandomLosingSync:
             self.real_truncate(fd, length)
             self.synced[path] = min(self.synced.get(path, 0), length)
             self._generation[path] = self._generation.get(path, 0) + 1
+            self._cuts.setdefault(path, []).append((self._generation[path], length))
 
     def durable(self) -> dict[str, int]:
         with self._lock:
