@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from embstore.errors import ConfigError
-from embstore.files import not_a_regular_file
+from embstore.files import check_regular_file
 
 
 class RowDType(str, enum.Enum):
@@ -362,11 +362,7 @@ def parse_toml(text: str) -> dict[str, Any]:
 def read_toml(path: str | Path) -> dict[str, Any]:
     """A TOML file -> dict; a missing, unreadable or non-UTF-8 file is a ``ConfigError`` naming it."""
     name = str(path)
-    kind = not_a_regular_file(path)  # a FIFO would block the read forever
-    if kind == "a directory":
-        raise ConfigError("config", f"{name!r} is a directory, not a TOML file")
-    if kind is not None:
-        raise ConfigError("config", f"{name!r} is {kind}, not a regular TOML file")
+    check_regular_file(path, "config file", lambda why: ConfigError("config", why))  # a FIFO would block forever
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):  # ENOTDIR: a parent in the path is a file
