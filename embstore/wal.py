@@ -268,7 +268,9 @@ class WriteAheadLog:
         sequence number not sealed: segments below it may go once the store is flushed.
 
         A segment whose sync failed is not synced again (that would lie) but marked unsynced: the
-        flush after the seal covers its records, and :meth:`drop_before` retires it with its mark."""
+        flush after the seal covers its records, and :meth:`drop_before` retires it with its mark.
+        Until then a good seal of a later segment does not make the log durable up to its end: the
+        failed segment's records before it are neither synced nor flushed."""
         if self._fd >= 0:
             if self._unsynced_seq == self._seq:
                 try:
@@ -278,7 +280,8 @@ class WriteAheadLog:
                     raise tier_io_error("write-ahead log", "seal", exc) from exc
             else:
                 self._sync(self._fd)
-                self._durable = (self._seq + 1, 0)
+                if self._unsynced_seq is None:  # an earlier failed segment is durable only once flushed
+                    self._durable = (self._seq + 1, 0)
             os.close(self._fd)
             self._fd = -1
             self._seq += 1

@@ -578,3 +578,39 @@ def test_a_flush_that_fails_after_sealing_a_failed_segment_acknowledges_nothing(
         if acknowledged:
             assert crashed["a"].lookup(np.array([1]))[0, 0] == 1.0
     assert not acknowledged
+
+
+def test_a_seal_after_a_failed_segment_does_not_acknowledge_that_segment(tmp_path, monkeypatch) -> None:
+    """A retract's sync fails (segment 1 loses its unsynced pages), a flush seals segment 1 (marked) and
+    fails to flush a table; a write goes to segment 2, and a second flush seals segment 2 (a good sync)
+    and fails too. Segment 1's writes are still neither synced nor flushed: the good seal of a later
+    segment must not let a ``sync_log`` take them for durable (found by the stress test above: the
+    copy's replay stopped at segment 1's hole and lost an acknowledged write)."""
+    path = tmp_path / "s"
+    embstore.create(path, config("ssd")).close()
+    with embstore.open(path) as store:
+        monkeypatch.setattr(os, "fdatasync", ScriptedSync(fail={1}))
+        table = store["a"]
+        real_flush, real_update = table.flush, table.update
+        store.update_logged("a", np.array([1]), row(1.0))
+        monkeypatch.setattr(table, "update", disk_full)
+        with pytest.raises(embstore.DiskFullError):
+            store.update_logged("a", np.array([2]), row(2.0))  # the cut's sync (call 1) fails: row 1 lost
+        monkeypatch.setattr(table, "update", real_update)
+
+        def table_flush_fails() -> None:
+            raise embstore.TierIOError("ssd", "flush", errno.EIO)
+
+        monkeypatch.setattr(table, "flush", table_flush_fails)
+        with pytest.raises(embstore.TierIOError):
+            store.flush()  # seals segment 1 with its mark
+        store.update_logged("b", np.array([3]), row(3.0))  # segment 2
+        with pytest.raises(embstore.TierIOError):
+            store.flush()  # seals segment 2: its sync (call 2) succeeds
+        monkeypatch.setattr(table, "flush", real_flush)
+        acknowledged = sync_then_power_cut(store, tmp_path / "crash")
+        monkeypatch.undo()
+    with embstore.open(tmp_path / "crash") as crashed:
+        if acknowledged:
+            assert crashed["a"].lookup(np.array([1]))[0, 0] == 1.0
+    assert not acknowledged
