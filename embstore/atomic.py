@@ -32,38 +32,42 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """A binary file to write; on a clean exit it replaces ``path`` durably, on an error it is removed.
 
-    An ``OSError`` names ``path`` (not the temp file), e.g. when its directory
-    does not exist or ``path`` is a directory. The temp file's name is unique
-    per thread, so threads writing the same target never share (and tear) it.
+    An ``OSError`` without a file name names ``path`` (not the temp file): a missing directory, ``path``
+    being a directory, a full disk in the caller's writes or in the final flush and fsync. One that names
+    its own file (another file the caller reads) is left as it is. The temp file's name is unique per
+    thread, so threads writing the same target never share (and tear) it.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
-    try:
+    with _naming(path, always=True):
         f = open(tmp, "wb")
-    except OSError as exc:
-        raise type(exc)(exc.errno, exc.strerror, str(path)) from None
     try:
-        with f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        try:
+        with _naming(path):
+            with f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+        with _naming(path, always=True):
             os.replace(tmp, path)
-        except OSError as exc:
-            raise type(exc)(exc.errno, exc.strerror, str(path)) from None
         fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` with ``data`` (see :func:`atomic_file`). Any ``OSError`` names ``path``: here every
-    write is to it (a full disk's one line then says which file could not be written)."""
+@contextmanager
+def _naming(path: Path, always: bool = False) -> Iterator[None]:
+    """Re-raise an ``OSError`` from the block as one naming ``path``: if it names no file, or ``always``
+    (the temp file's name would mislead)."""
     try:
-        with atomic_file(path) as f:
-            f.write(data)
+        yield
     except OSError as exc:
-        if exc.filename is not None or exc.errno is None:
+        if exc.errno is None or (exc.filename is not None and not always):
             raise
         raise type(exc)(exc.errno, exc.strerror, str(path)) from None
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` with ``data`` (see :func:`atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data)

@@ -89,3 +89,28 @@ def test_a_full_disk_keeps_the_old_file_and_leaves_no_temp(tiny_tmpfs) -> None:
     with pytest.raises(OSError):
         traces.save(tr, tiny_tmpfs.path / "f.bin")
     assert target.read_bytes() == b"old" and os.listdir(tiny_tmpfs.path) == ["f.bin"]
+
+
+@needs_mount
+def test_a_full_disk_inside_the_callers_block_names_the_target(tiny_tmpfs) -> None:
+    """A write in the caller's block, or atomic_file's own flush and fsync, fail without a file name; the
+    error must name the target (a full disk's one line then says which file could not be written)."""
+    target = tiny_tmpfs.path / "f.bin"
+    with pytest.raises(OSError) as e:
+        with atomic_file(target) as f:
+            f.write(b"x" * (8 << 20))  # twice the 4 MiB file system; buffered: may fail here or at flush
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(target)
+    tr = traces.Trace(np.arange(1 << 20), np.zeros(1 << 20, np.int32), np.array([0, 1 << 20]))
+    with pytest.raises(OSError) as e:
+        traces.save(tr, target)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(target)
+    assert os.listdir(tiny_tmpfs.path) == []
+
+
+def test_an_error_that_names_its_own_file_keeps_that_name(tmp_path) -> None:
+    """Only nameless errors get the target's name: one about another file the block reads stays as it is."""
+    with pytest.raises(FileNotFoundError) as e:
+        with atomic_file(tmp_path / "out.bin") as f:
+            f.write(open(tmp_path / "missing.bin", "rb").read())
+    assert e.value.filename == str(tmp_path / "missing.bin")
+    assert os.listdir(tmp_path) == []
