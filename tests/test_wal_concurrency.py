@@ -471,6 +471,11 @@ def disk_full(ids, rows) -> None:
     raise embstore.DiskFullError("ssd", "write", errno.ENOSPC)
 
 
+def table_flush_fails() -> None:
+    """A table's flush that fails (an I/O error writing its home)."""
+    raise embstore.TierIOError("ssd", "flush", errno.EIO)
+
+
 def row(value: float) -> np.ndarray:
     return np.full((1, DIM), value, np.float32)
 
@@ -485,6 +490,16 @@ def sync_then_power_cut(store: embstore.Store, crash: Path) -> bool:
         acknowledged = False
     shutil.copytree(store.path, crash)
     return acknowledged
+
+
+def sync_refused_and_row_1_kept(store: embstore.Store, monkeypatch, crash: Path) -> None:
+    """A ``sync_log`` now must refuse; had it acknowledged, the power-cut copy must hold row 1 of "a"."""
+    acknowledged = sync_then_power_cut(store, crash)
+    monkeypatch.undo()
+    with embstore.open(crash) as crashed:
+        if acknowledged:
+            assert crashed["a"].lookup(np.array([1]))[0, 0] == 1.0
+    assert not acknowledged
 
 
 def test_a_log_sync_racing_a_failed_retract_does_not_acknowledge(tmp_path, monkeypatch) -> None:
@@ -565,19 +580,11 @@ def test_a_flush_that_fails_after_sealing_a_failed_segment_acknowledges_nothing(
             store.sync_log()
         real_flush = store["a"].flush
 
-        def table_flush_fails() -> None:
-            raise embstore.TierIOError("ssd", "flush", errno.EIO)
-
         monkeypatch.setattr(store["a"], "flush", table_flush_fails)
         with pytest.raises(embstore.TierIOError):
             store.flush()
         monkeypatch.setattr(store["a"], "flush", real_flush)
-        acknowledged = sync_then_power_cut(store, tmp_path / "crash")
-        monkeypatch.undo()
-    with embstore.open(tmp_path / "crash") as crashed:
-        if acknowledged:
-            assert crashed["a"].lookup(np.array([1]))[0, 0] == 1.0
-    assert not acknowledged
+        sync_refused_and_row_1_kept(store, monkeypatch, tmp_path / "crash")
 
 
 def test_a_seal_after_a_failed_segment_does_not_acknowledge_that_segment(tmp_path, monkeypatch) -> None:
@@ -598,9 +605,6 @@ def test_a_seal_after_a_failed_segment_does_not_acknowledge_that_segment(tmp_pat
             store.update_logged("a", np.array([2]), row(2.0))  # the cut's sync (call 1) fails: row 1 lost
         monkeypatch.setattr(table, "update", real_update)
 
-        def table_flush_fails() -> None:
-            raise embstore.TierIOError("ssd", "flush", errno.EIO)
-
         monkeypatch.setattr(table, "flush", table_flush_fails)
         with pytest.raises(embstore.TierIOError):
             store.flush()  # seals segment 1 with its mark
@@ -608,9 +612,4 @@ def test_a_seal_after_a_failed_segment_does_not_acknowledge_that_segment(tmp_pat
         with pytest.raises(embstore.TierIOError):
             store.flush()  # seals segment 2: its sync (call 2) succeeds
         monkeypatch.setattr(table, "flush", real_flush)
-        acknowledged = sync_then_power_cut(store, tmp_path / "crash")
-        monkeypatch.undo()
-    with embstore.open(tmp_path / "crash") as crashed:
-        if acknowledged:
-            assert crashed["a"].lookup(np.array([1]))[0, 0] == 1.0
-    assert not acknowledged
+        sync_refused_and_row_1_kept(store, monkeypatch, tmp_path / "crash")
