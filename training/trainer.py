@@ -13,7 +13,8 @@ evaluation or a checkpoint never races a prefetch and sees every row written bac
 
 A checkpoint (``OUT/checkpoints/step_N``) holds the dense ``state_dict`` (with
 the EBC's extra state), the dense optimizer, the step, the loss history and a
-copy of the store taken after ``flush()``; ``--resume`` restores all of it and
+copy of the store taken after ``flush()``, every file of it fsynced before the
+``latest`` marker names the checkpoint; ``--resume`` restores all of it and
 re-creates the data iterator at the next batch, so a resumed run equals the
 uninterrupted one step for step. ``checkpoint_store = "in_place"`` skips the
 copy (for stores too big to copy): then resume is exact only when the run
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import embstore
-from embstore.atomic import atomic_file, atomic_write
+from embstore.atomic import atomic_file, atomic_write, copy_tree_durably
 from embstore.progress import progress_bar
 from embstore.config import HashKind, StoreConfig, TableConfig, from_toml_file
 from embstore.errors import ConfigError, CorruptStoreError, EmbstoreError
@@ -358,7 +359,7 @@ def build_store(cfg: TrainConfig, out: Path, ctx: DistContext, resume: bool) -> 
         if path.exists():
             shutil.rmtree(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(ckpt / _store_name(ctx), path)
+        copy_tree_durably(ckpt / _store_name(ctx), path)
         return embstore.open(path), path
     if resume and ckpt is not None:  # checkpoint_store = "in_place": the store is the checkpoint
         return embstore.open(path), path
@@ -552,7 +553,7 @@ def save_checkpoint(out: Path, step: int, model: DLRM, opt: torch.optim.Optimize
         dst = ckpt / _store_name(ctx)
         if dst.exists():
             shutil.rmtree(dst)
-        shutil.copytree(store.path, dst)
+        copy_tree_durably(store.path, dst)
     # plain Python values and tensors only: read_checkpoint loads with weights_only=True
     state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
              "losses": [float(x) for x in result.losses],
