@@ -286,3 +286,23 @@ def test_a_checkpoints_store_copy_is_durable_before_latest_names_it(tmp_path, mo
         assert [p for p, ino in tree_inodes(path).items() if ino not in rec.synced] == []
     finally:
         store.close()
+
+
+def test_an_in_place_resume_past_its_checkpoint_warns_that_it_is_not_exact(tmp_path, caplog):
+    """With ``checkpoint_store = "in_place"`` the store is the checkpoint: a run that went on training after
+    its last checkpoint (killed at step 21, checkpoint at 15) left rows from step 21 under the step-15
+    dense state. Resuming then cannot match the uninterrupted run, and must say so; a run stopped right at
+    its checkpoint resumes exactly and silently."""
+    cfg = load(tmp_path, batches=40, ckpt_every=15, ckpt_store="in_place")
+    full = train(cfg, tmp_path / "full", progress=False)
+    train(cfg, tmp_path / "went_on", progress=False, stop_at=21)
+    with caplog.at_level("WARNING", logger="embstore.training.trainer"):
+        train(cfg, tmp_path / "went_on", resume=True, progress=False)
+    moved = [r.getMessage() for r in caplog.records if "not exact" in r.getMessage()]
+    assert len(moved) == 1 and "step_15" in moved[0] and "copy" in moved[0]
+    caplog.clear()
+    train(cfg, tmp_path / "at_ckpt", progress=False, stop_at=15)
+    with caplog.at_level("WARNING", logger="embstore.training.trainer"):
+        resumed = train(cfg, tmp_path / "at_ckpt", resume=True, progress=False)
+    assert not [r for r in caplog.records if "not exact" in r.getMessage()]
+    np.testing.assert_array_equal(np.array(resumed.losses), np.array(full.losses))

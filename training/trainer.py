@@ -569,6 +569,23 @@ def save_checkpoint(out: Path, step: int, model: DLRM, opt: torch.optim.Optimize
     return ckpt
 
 
+_MOVED_PAST = "moved_past"
+
+
+def _mark_moved_past(out: Path, step: int) -> None:
+    """Note that training goes on past checkpoint ``step_N`` while the store is that checkpoint
+    (``in_place``): a resume from it then cannot be exact, and says so."""
+    atomic_write(out / "checkpoints" / _MOVED_PAST, f"step_{step}".encode())
+
+
+def _moved_past(out: Path) -> str | None:
+    """The checkpoint the run last went on training past (``in_place``), None when there is no note."""
+    try:
+        return (out / "checkpoints" / _MOVED_PAST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _boundaries(step: int, total: int, cfg: ScheduleConfig) -> int:
     """The next step at which training pauses for an eval or a checkpoint."""
     nxt = total
@@ -611,6 +628,11 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
         result.resumed_from = result.step
         if ctx.is_main:
             log.info("resumed from %s at step %d", ckpt, result.step)
+            if not (ckpt / _store_name(ctx)).exists() and _moved_past(out) == ckpt.name:
+                log.warning("resuming from %s with checkpoint_store = \"in_place\": the run went on training "
+                            "after that checkpoint, so the store holds rows from later steps under step %d's "
+                            "dense state; this run goes on from them and is not exact (checkpoint_store = "
+                            "\"copy\" resumes bit for bit)", ckpt.name, result.step)
     elif ctx.enabled:
         broadcast_parameters(model)
 
@@ -623,8 +645,11 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     bar = _progress(progress and ctx.is_main and result.step < total, total, result.step)
     t0, samples = time.perf_counter(), 0
     exhausted = False
+    last_checkpoint = result.resumed_from
     try:
         while result.step < total and not exhausted:
+            if last_checkpoint == result.step and sched.checkpoint_store == "in_place" and ctx.is_main:
+                _mark_moved_past(out, last_checkpoint)  # the store is about to move on from its checkpoint
             end = _boundaries(result.step, total, sched)
             if stop_at is not None:
                 end = min(end, stop_at)
@@ -658,6 +683,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
                     plot_curves(result, out / "curves.png")
             if (sched.checkpoint_every and result.step % sched.checkpoint_every == 0) or done:
                 save_checkpoint(out, result.step, model, opt, result, store, cfg, ctx)
+                last_checkpoint = result.step
             if stop_at is not None and result.step >= stop_at and not done:
                 result.stopped_early = True  # as if killed here
                 break
