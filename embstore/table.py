@@ -358,9 +358,12 @@ def _increasing(ids: Ids) -> bool:
 
 
 def _torch_pool(slab: np.ndarray, rows: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
-    """Pool bags straight out of a resident float32 slab with torch's embedding_bag (fbgemm kernels)."""
+    """Pool bags straight out of a resident float32 slab with torch's embedding_bag (fbgemm kernels).
+    Read-only index arrays (a server's binary request parsed in place) are copied: torch warns on them,
+    and a warning filter cannot be set per call in a threaded server."""
     import torch
 
+    rows, offsets = (a if a.flags.writeable else a.copy() for a in (rows, offsets))
     out = torch.nn.functional.embedding_bag(torch.from_numpy(rows), torch.from_numpy(slab),
                                             torch.from_numpy(offsets[:-1]), mode=mode)
     return out.numpy()

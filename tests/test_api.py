@@ -509,3 +509,26 @@ def test_pooled_lookup_on_the_threaded_kernel_path_is_bit_equal_to_torch(pool_st
         want = torch.nn.functional.embedding_bag(torch.from_numpy(ids), torch.from_numpy(w[33]),
                                                  torch.from_numpy(offsets), mode=mode, include_last_offset=True)
         np.testing.assert_array_equal(stores[layout]["t33"].lookup_pooled(ids, offsets, mode), want.numpy())
+
+
+def test_pooled_lookup_of_read_only_ids_warns_nothing(tmp_path) -> None:
+    """A server parses binary requests in place (read-only arrays); the resident pooled path must not
+    hand them to torch, which warns (once per process: so a fresh one is used here)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import warnings, numpy as np, embstore
+from embstore.config import StoreConfig, TableConfig, TierConfig
+warnings.simplefilter("error")
+cfg = StoreConfig((TableConfig("t", 100, 4, tiers=(TierConfig("dram", 100 * 16, "lru"), TierConfig("mmap"))),))
+with embstore.create({str(tmp_path / "s")!r}, cfg) as s:
+    ids = np.frombuffer(np.array([1, 2, 3, 2], np.int64).tobytes(), np.int64)
+    offsets = np.frombuffer(np.array([0, 2, 4], np.int64).tobytes(), np.int64)
+    rows = s["t"].lookup(np.array([1, 2, 3]))  # now resident: the pooled call takes torch's fast path
+    got = s["t"].lookup_pooled(ids, offsets, "sum")
+    assert np.array_equal(got, np.stack([rows[0] + rows[1], rows[2] + rows[1]]))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
