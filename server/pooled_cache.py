@@ -11,7 +11,11 @@ eviction. Invalidation uses write epochs rather than an index of bags:
 
 A write finished before the read began has ``row_epoch <= e`` (the read sees
 it); one that lands during or after the read sets ``row_epoch > e`` and kills
-the entry. Rows sharing a slot only cause extra misses, never stale answers.
+the entry. A write also marks its slots busy in ``writing`` from before its rows
+reach the table until its epoch is set (``begin_write`` / ``end_write``), and no
+bag holding a busy row is answered from memory: otherwise, in the window between
+the table's update and the epoch, a lookup could already return a new row while
+a pooled request sent after it got the bag cached before the write. Rows sharing a slot only cause extra misses, never stale answers.
 Rows are physical (after the table's hash), so ids hashed together invalidate
 each other. The array costs 8 bytes * ``slots`` per table and no per-row work.
 """
@@ -45,6 +49,7 @@ class PooledCache:
         self.capacity_bytes = capacity_bytes
         self._mask = slots - 1
         self._row_epoch = np.zeros(slots, np.int64)
+        self._writing = np.zeros(slots, np.int64)  # writes in progress per slot (begin_write .. end_write)
         self._epoch = 0
         self._entries: OrderedDict[tuple[str, bytes], tuple[int, np.ndarray]] = OrderedDict()
         self._bytes = 0
@@ -69,12 +74,15 @@ class PooledCache:
         with self._lock:
             seen = self._epoch
             bag_epoch = np.zeros(num_bags, np.int64)
+            bag_busy = np.zeros(num_bags, np.int64)
             if len(ids):
-                bag_epoch[nonempty] = np.maximum.reduceat(self._row_epoch[slots], offsets[:-1][nonempty])
+                starts = offsets[:-1][nonempty]
+                bag_epoch[nonempty] = np.maximum.reduceat(self._row_epoch[slots], starts)
+                bag_busy[nonempty] = np.maximum.reduceat(self._writing[slots], starts)
             for b in np.flatnonzero(nonempty).tolist():
                 key = (mode, ids[offsets[b]:offsets[b + 1]].tobytes())
                 entry = self._entries.get(key)
-                if entry is not None and entry[0] >= bag_epoch[b]:
+                if entry is not None and entry[0] >= bag_epoch[b] and not bag_busy[b]:
                     self._entries.move_to_end(key)
                     out[b] = entry[1]
                 else:
@@ -117,12 +125,27 @@ class PooledCache:
 
     def note_write(self, ids: np.ndarray) -> None:
         """Call after rows of ``ids`` were written: cached bags holding them become invalid."""
+        self.end_write(self.begin_write(ids))
+
+    def begin_write(self, ids: np.ndarray) -> np.ndarray | None:
+        """Call before rows of ``ids`` are written: until :meth:`end_write`, bags holding them are pooled
+        from the table, never answered from memory. Returns the token for :meth:`end_write`."""
         if self.capacity_bytes == 0 or not len(ids):
-            return
+            return None
         slots = self._slots(ids)
         with self._lock:
+            np.add.at(self._writing, slots, 1)
+        return slots
+
+    def end_write(self, token: np.ndarray | None) -> None:
+        """Call after the write :meth:`begin_write` announced, also when it failed (a machine failure may
+        leave part of it applied): cached bags holding its rows become invalid."""
+        if token is None:
+            return
+        with self._lock:
+            np.subtract.at(self._writing, token, 1)
             self._epoch += 1
-            self._row_epoch[slots] = self._epoch
+            self._row_epoch[token] = self._epoch
 
     def clear(self) -> None:
         with self._lock:

@@ -166,16 +166,17 @@ class TableService:
         return await offload(self.cache.lookup_pooled, ids, offsets, mode)
 
     def update(self, ids: np.ndarray, rows: np.ndarray, write: Callable[..., None] | None = None) -> None:
-        """Blocking: write (with ``write(ids, rows)`` if given), then invalidate the cached bags holding
-        those rows - also when the write fails, since a machine failure may leave part of it applied."""
+        """Blocking: write (with ``write(ids, rows)`` if given) with the cached bags holding those rows
+        out of use meanwhile (see ``PooledCache.begin_write``), then invalidate them - also when the
+        write fails, since a machine failure may leave part of it applied."""
+        try:
+            writing = self.cache.begin_write(ids)
+        except InvalidInputError:  # ids the table refuses: the write below reports them
+            writing = None
         try:
             (write or self.table.update)(ids, rows)
-        except InvalidInputError:  # refused whole: nothing was written
-            raise
-        except BaseException:
-            self.cache.note_write(ids)
-            raise
-        self.cache.note_write(ids)
+        finally:
+            self.cache.end_write(writing)
 
 
 class ModelService:
