@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from embstore.server import protocol, status_page
@@ -272,6 +273,11 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
         return HTMLResponse(status_page.render(str(settings.store), snap, metrics.rates.rates(),
                                                dict(metrics.totals), gate.reloads, state))
 
+    # HEAD wherever GET is (health checks and probes send it; FastAPI adds it to none), answered by the GET
+    # handler; the server sends the headers without the body
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            route.methods.add("HEAD")
     # Starlette tries routes in order: put the hot ones before FastAPI's docs routes and the rest.
     hot = ("/v1/tables/{name}/lookup", "/v1/tables/{name}/pooled")
     app.router.routes.sort(key=lambda r: hot.index(r.path) if getattr(r, "path", None) in hot else len(hot))

@@ -127,6 +127,9 @@ def install_handlers(app: FastAPI) -> None:
             detail = f"no such path: {path} (the API is listed at /docs)"
         elif exc.status_code == 405 and detail == "Method Not Allowed":
             allowed = (exc.headers or {}).get("Allow")
+            if allowed:  # a route's methods are a set: the same answer every time, in one order
+                allowed = ", ".join(sorted(m.strip() for m in allowed.split(",")))
+                exc.headers = {**exc.headers, "Allow": allowed}
             detail = f"method {request.method} is not allowed on {path}" + (f"; allowed: {allowed}" if allowed else "")
         log_refused(request.method, path, exc.status_code, detail)
         return await http_exception_handler(request, HTTPException(exc.status_code, detail, exc.headers))

@@ -105,6 +105,24 @@ def test_health_tables_and_detail(served):
     assert set(detail["batching"]) == {"requests", "batches"}
 
 
+@pytest.mark.parametrize("path", ["/healthz", "/v1/tables", "/v1/tables/t", "/v1/models", "/metrics", "/"])
+def test_head_answers_every_get_route_with_its_headers_and_no_body(served, path):
+    """Probes and health checks send HEAD: it answers as GET does (status, content type), without a body."""
+    client, _, _ = served
+    got, head = client.get(path), client.head(path)
+    assert got.status_code == head.status_code == 200
+    assert head.headers["content-type"] == got.headers["content-type"] and head.content == b""
+    assert int(head.headers["content-length"]) > 0
+
+
+def test_head_is_refused_where_get_is(served):
+    client, _, _ = served
+    resp = client.head("/v1/tables/nope")
+    assert resp.status_code == 404 and resp.content == b""
+    resp = client.head("/v1/tables/t/lookup")
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+
+
 @pytest.mark.parametrize("request_binary", [False, True])
 @pytest.mark.parametrize("answer_binary", [False, True])
 def test_lookup_matches_store_bit_for_bit(served, request_binary, answer_binary):

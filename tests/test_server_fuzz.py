@@ -829,9 +829,10 @@ def test_junk_bodies_are_400(server, method, path):
 
 
 # --- paths, names and methods -------------------------------------------------------------------------------
-ROUTES = {"/healthz": {"GET"}, "/v1/tables": {"GET"}, "/v1/tables/f32": {"GET"}, "/v1/tables/f32/lookup": {"POST"},
-          "/v1/tables/f32/pooled": {"POST"}, "/v1/tables/f32/rows": {"PUT"}, "/v1/models": {"GET"},
-          "/v1/models/m/predict": {"POST"}, "/v1/admin/reload": {"POST"}, "/metrics": {"GET"}, "/": {"GET"}}
+GET = {"GET", "HEAD"}  # HEAD wherever GET is
+ROUTES = {"/healthz": GET, "/v1/tables": GET, "/v1/tables/f32": GET, "/v1/tables/f32/lookup": {"POST"},
+          "/v1/tables/f32/pooled": {"POST"}, "/v1/tables/f32/rows": {"PUT"}, "/v1/models": GET,
+          "/v1/models/m/predict": {"POST"}, "/v1/admin/reload": {"POST"}, "/metrics": GET, "/": GET}
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "TRACE", "BREW"]
 
 
@@ -877,7 +878,7 @@ REFUSALS = [  # (method, path, request keyword arguments, status, words the log 
     ("POST", "/v1/tables/nope/lookup", {"json": {"ids": [1]}}, 404, "no table 'nope'"),
     ("POST", "/v1/models/nope/predict", {"json": {"dense": [], "sparse": {}}}, 404, "no model 'nope'"),
     ("GET", "/v1/nothing", {}, 404, "no such path: /v1/nothing"),
-    ("DELETE", "/v1/tables/f32", {}, 405, "method delete is not allowed on /v1/tables/f32; allowed: get"),
+    ("DELETE", "/v1/tables/f32", {}, 405, "method delete is not allowed on /v1/tables/f32; allowed: get, head"),
     ("POST", "/v1/tables/f32/lookup", {"content": b"\0" * (MAX_BODY + 8), "headers": {"Content-Type": BINARY}}, 413,
      "exceeds this server's limit"),
     ("PUT", "/v1/tables/f32/rows", {"json": {"ids": [1], "embeddings": [[0.0]]}, "headers": AUTH}, 422,
