@@ -274,7 +274,9 @@ def create_app(settings: ServerSettings, *, opener: Callable[[Path], Store] | No
                                                dict(metrics.totals), gate.reloads, state))
 
     # HEAD wherever GET is (health checks and probes send it; FastAPI adds it to none), answered by the GET
-    # handler; the server sends the headers without the body
+    # handler; the server sends the headers without the body. The schema is built (and cached) first: it
+    # documents the GETs only, since a HEAD operation would repeat each GET's operationId.
+    app.openapi()
     for route in app.router.routes:
         if isinstance(route, APIRoute) and "GET" in route.methods:
             route.methods.add("HEAD")

@@ -123,6 +123,18 @@ def test_head_is_refused_where_get_is(served):
     assert resp.status_code == 405 and resp.headers["allow"] == "POST"
 
 
+def test_the_schema_documents_each_operation_once(served):
+    """HEAD is answered but not documented: a HEAD operation would repeat each GET's operationId, which
+    OpenAPI requires to be unique (client generators reject the schema; FastAPI warned on every build)."""
+    client, _, _ = served
+    paths = client.get("/openapi.json").json()["paths"]
+    ops = [(path, method, op["operationId"]) for path, item in paths.items() for method, op in item.items()]
+    ids = [op_id for _, _, op_id in ops]
+    assert len(ids) == len(set(ids)), sorted(ids)
+    assert not [(path, method) for path, method, _ in ops if method == "head"]
+    assert "get" in paths["/healthz"] and "post" in paths["/v1/tables/{name}/lookup"]
+
+
 @pytest.mark.parametrize("request_binary", [False, True])
 @pytest.mark.parametrize("answer_binary", [False, True])
 def test_lookup_matches_store_bit_for_bit(served, request_binary, answer_binary):
