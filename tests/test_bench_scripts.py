@@ -245,3 +245,100 @@ def test_policies_kernel_loads_however_the_script_was_loaded_before(tmp_path: Pa
     for code in (as_bench_verb, as_script):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _lookahead_reference(keys: list[int], offsets: list[int], capacity: int, ahead: int) -> int:
+    """The module doc's ``ahead-K`` spelled out: at access i of batch b the window ends with batch b + K; a
+    resident row used in the window ranks by that use, one without ranks above all of those (fewer counts,
+    then older last use first); a miss displaces the top-ranked row only if it ranks below it."""
+    n, nb = len(keys), len(offsets) - 1
+    batch = [b for b in range(nb) for _ in range(offsets[b], offsets[b + 1])]
+    after = [next((j for j in range(i + 1, n) if keys[j] == keys[i]), None) for i in range(n)]
+    count: dict[int, int] = {}
+    resident: dict[int, tuple[int | None, int]] = {}  # row -> (its next use, its last access)
+    hits = 0
+    for i, x in enumerate(keys):
+        count[x] = count.get(x, 0) + 1
+        end = offsets[min(batch[i] + ahead + 1, nb)]
+
+        def in_window(use: int | None) -> bool:
+            return use is not None and use < end
+
+        def rank(r: int) -> tuple[int, int, int]:
+            use, last = resident[r]
+            return (0, use, 0) if in_window(use) else (1, -count[r], -last)
+
+        if x in resident:
+            hits += 1
+        elif len(resident) >= capacity:
+            victim = max(resident, key=rank)
+            if in_window(after[i]):
+                if in_window(resident[victim][0]) and after[i] > resident[victim][0]:
+                    continue  # every resident row is used before x
+            elif in_window(resident[victim][0]) or count[x] <= count[victim]:
+                continue  # x is not used in the window: it must out-count a victim that is not either
+            del resident[victim]
+        resident[x] = (after[i], i)
+    return hits
+
+
+def _optimum_with_bypass(keys: list[int], capacity: int) -> int:
+    """The most hits any cache of ``capacity`` rows can get on ``keys`` (it may decline to admit a row):
+    every choice tried, over the reachable sets of resident rows."""
+    best: dict[frozenset[int], int] = {frozenset(): 0}
+    for x in keys:
+        nxt: dict[frozenset[int], int] = {}
+        for held, hits in best.items():
+            if x in held:
+                options = [(held, hits + 1)]
+            else:
+                options = [(held, hits)]
+                if len(held) < capacity:
+                    options.append((held | {x}, hits))
+                else:
+                    options += [((held - {y}) | {x}, hits) for y in held]
+            for state, h in options:
+                nxt[state] = max(nxt.get(state, -1), h)
+        best = nxt
+    return max(best.values())
+
+
+def _batches(draw_keys: list[int], cuts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Keys cut into batches at ``cuts`` and deduplicated per batch (each batch's first occurrences)."""
+    from embstore.belady import dedup_batches
+
+    arr = np.array(draw_keys, np.int64)
+    offsets = np.array(sorted({0, len(arr), *(c for c in cuts if c < len(arr))}), np.int64)
+    return dedup_batches(arr, offsets)
+
+
+def _ahead(keys: np.ndarray, offsets: np.ndarray, capacity: int, ahead: int) -> int:
+    from embstore.belady import next_use
+
+    hits = _script("tools/bench/bench_policies.py").lookahead_hits
+    k = int(keys.max()) + 1 if len(keys) else 0
+    mc = int(np.bincount(keys, minlength=k).max()) if len(keys) else 0
+    return hits(keys, offsets, next_use(keys), k, mc, capacity, ahead)
+
+
+@given(st.lists(st.integers(0, 12), max_size=80), st.lists(st.integers(1, 79), max_size=12), st.integers(1, 6),
+       st.integers(0, 5))
+@settings(max_examples=400, deadline=None)
+def test_lookahead_reference_point_matches_a_plain_python_one(keys: list[int], cuts: list[int], capacity: int,
+                                                              ahead: int) -> None:
+    arr, offsets = _batches(keys, cuts)
+    want = _lookahead_reference(arr.tolist(), offsets.tolist(), capacity, ahead)
+    assert _ahead(arr, offsets, capacity, ahead) == want
+
+
+@given(st.lists(st.integers(0, 5), max_size=14), st.lists(st.integers(1, 13), max_size=5), st.integers(1, 3))
+@settings(max_examples=80, deadline=None)
+def test_lookahead_over_the_whole_trace_is_the_optimum(keys: list[int], cuts: list[int], capacity: int) -> None:
+    """A window reaching past the last batch knows every next use: MIN with bypass, the most hits possible,
+    and never fewer than classic MIN (which must admit every miss)."""
+    from embstore.belady import belady_hits
+
+    arr, offsets = _batches(keys, cuts)
+    got = _ahead(arr, offsets, capacity, len(offsets))
+    assert got == _optimum_with_bypass(arr.tolist(), capacity)
+    assert got >= belady_hits(arr, capacity)

@@ -22,6 +22,13 @@ store can run, and do not count as "best"):
   counts mislead it and it is no ceiling.
 - ``topk-hindsight``: the best fixed set of rows chosen with the whole trace's
   counts (offline: it knows the future), filled on first access.
+- ``ahead-K``: what a look-ahead window buys. A cache that sees the current
+  batch and the next K (as a training pipeline can: its data loader reads ids
+  ahead) and knows, for every row, its next use inside that window: it evicts
+  (or declines to admit) the row used latest, as MIN does, and ranks the rows
+  with no use in the window by exact-lfu's counts, below every row that has
+  one. With K past the trace's end it is MIN with bypass (optimal); with K = 0
+  it is exact-lfu that still sees the current batch.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import numba
 import numpy as np
 
 from embstore import tracegen
-from embstore.belady import belady_hits, dedup_batches
+from embstore.belady import _heap_pop, _heap_push, belady_hits, dedup_batches, next_use
 from embstore.commands.argtypes import share
 from embstore.simulator import miss_ratio_curve
 from embstore.traces import dense_keys
@@ -101,6 +108,84 @@ def exact_lfu_hits(keys, num_keys, max_count, capacity):  # pragma: no cover - n
     return hits
 
 
+@numba.njit
+def lookahead_hits(keys, offsets, nxt, num_keys, max_count, capacity, ahead):  # pragma: no cover - numba
+    """Hits of ``ahead-K`` (see module doc) with K = ``ahead``; ``nxt`` is ``embstore.belady.next_use(keys)``,
+    ``offsets`` the batch boundaries. One max-heap of every resident's rank, stale entries skipped (a row's
+    live rank is ``rank[row]``), encoded ``rank * num_keys + row``: a row used in the window ranks by that
+    use's position (< n); one without ranks above all of those, by fewer counts, then older last use. A row
+    whose next use lies beyond the window waits in that batch's list and is re-ranked when it enters."""
+    n = keys.shape[0]
+    nb = offsets.shape[0] - 1
+    count = np.zeros(num_keys, np.int64)
+    resident = np.zeros(num_keys, np.bool_)
+    rank = np.full(num_keys, -1, np.int64)
+    use = np.zeros(num_keys, np.int64)  # next use of each resident row
+    heap = np.empty(2 * n + 1, np.int64)
+    size = 0
+    batch = np.empty(n, np.int64)
+    for b in range(nb):
+        batch[offsets[b]:offsets[b + 1]] = b
+    waiting = np.full(nb, -1, np.int64)  # per batch, a linked list of (row, its rank when it began waiting)
+    wait_next = np.empty(n, np.int64)
+    wait_row = np.empty(n, np.int64)
+    wait_rank = np.empty(n, np.int64)
+    nwait = 0
+    used = 0
+    hits = 0
+    for b in range(nb):
+        if b + ahead < nb:  # batch b + ahead enters the window: its resident rows' next uses are known now
+            e = waiting[b + ahead]
+            while e >= 0:
+                r = wait_row[e]
+                if resident[r] and rank[r] == wait_rank[e]:
+                    rank[r] = use[r]
+                    size = _heap_push(heap, size, use[r] * num_keys + r)
+                e = wait_next[e]
+        window_end = offsets[min(b + ahead + 1, nb)]
+        for i in range(offsets[b], offsets[b + 1]):
+            x = keys[i]
+            count[x] += 1
+            q = nxt[i]
+            if resident[x]:
+                hits += 1
+            elif used < capacity:
+                resident[x] = True
+                used += 1
+            else:
+                while True:  # the live top of the heap: the victim
+                    top = heap[0]
+                    y = top % num_keys
+                    if resident[y] and rank[y] == top // num_keys:
+                        break
+                    _, size = _heap_pop(heap, size)
+                if top // num_keys >= n:  # no resident row is used in the window: x must out-count y
+                    if q >= window_end and count[x] <= count[y]:
+                        continue
+                elif q >= window_end or q > top // num_keys:  # every resident row is used before x
+                    continue
+                _, size = _heap_pop(heap, size)
+                resident[y] = False
+                rank[y] = -1
+                resident[x] = True
+            use[x] = q
+            if q < window_end:
+                rank[x] = q
+            else:
+                rank[x] = n + (max_count + 1 - count[x]) * (n + 1) + (n - i)
+                if q < n:
+                    wait_row[nwait] = x
+                    wait_rank[nwait] = rank[x]
+                    wait_next[nwait] = waiting[batch[q]]
+                    waiting[batch[q]] = nwait
+                    nwait += 1
+            size = _heap_push(heap, size, rank[x] * num_keys + x)
+    return hits
+
+
+AHEAD = (1, 4, 16, 32)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small trace")
@@ -140,6 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
     row("exact-lfu", np.array([exact_lfu_hits(keys, k, mc, int(c)) for c in caps]), out["references"])
     top = np.sort(counts)[::-1]
     row("topk-hindsight", np.array([int((top[:c] - 1).clip(0).sum()) for c in caps]), out["references"])
+    nxt = next_use(keys)
+    for ahead in AHEAD:
+        row(f"ahead-{ahead}", np.array([lookahead_hits(keys, off, nxt, k, mc, int(c), ahead) for c in caps]),
+            out["references"])
     if args.json:
         print(json.dumps(out))
     return out
