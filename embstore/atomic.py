@@ -78,11 +78,13 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
 @contextmanager
 def _naming(path: Path, always: bool = False) -> Iterator[None]:
     """Re-raise an ``OSError`` from the block as one naming ``path``: if it names no file, or ``always``
-    (the temp file's name would mislead)."""
+    (the temp file's name would mislead). Only the built-in kinds are rebuilt: a subclass with its own
+    constructor (a ``TierIOError`` from a tier read inside the block) already says where it failed, and
+    rebuilding it with OSError's arguments raised a TypeError in its place."""
     try:
         yield
     except OSError as exc:
-        if exc.errno is None or (exc.filename is not None and not always):
+        if exc.errno is None or (exc.filename is not None and not always) or type(exc).__module__ != "builtins":
             raise
         raise type(exc)(exc.errno, exc.strerror, str(path)) from None
 
