@@ -19,18 +19,9 @@ from embstore.errors import InvalidInputError, TierIOError
 from embstore.server import ServerSettings
 from embstore.server.pooled_cache import PooledCache
 from embstore.server.state import TableService
+from test_mutation_server import _pool_ref as pool_ref
 
 DIM = 3
-
-
-def pool_ref(w: np.ndarray, ids: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
-    """sum / mean of each bag's rows, one bag at a time."""
-    out = np.zeros((len(offsets) - 1, w.shape[1]), np.float32)
-    for b in range(len(offsets) - 1):
-        rows = w[ids[offsets[b]:offsets[b + 1]]]
-        if len(rows):
-            out[b] = rows.sum(axis=0) if mode == "sum" else rows.mean(axis=0)
-    return out
 
 
 class Counted:

@@ -273,6 +273,17 @@ class TrainingModel(RuleBasedStateMachine):
                 self._caught(exc)
         raise AssertionError(f"{fn} kept failing")
 
+    def _forward(self, fn: Callable[[], Any]) -> Any:
+        """A forward (and step) ``fn``, retried after an injected fault with the model's queue taken from the
+        module's (see :meth:`_resync_queue`)."""
+        for _ in range(6):
+            try:
+                return fn()
+            except TierIOError as exc:
+                self._caught(exc)
+                self._resync_queue()
+        raise AssertionError("a forward kept failing")
+
     def _resync_queue(self) -> None:
         """After a fault the model cannot tell which queued batches a failing forward dropped (one whose own
         prefetch failed drops the batches before it; one failing on an earlier write-back drops none): take the
@@ -400,15 +411,7 @@ class TrainingModel(RuleBasedStateMachine):
         if prefetch_next is not None and len(self.queue) < 6:
             self.ebc.prefetch(*prefetch_next.sparse())
             self._queue(prefetch_next, "manual")
-        for _ in range(6):
-            try:
-                self._train(b)
-                break
-            except TierIOError as exc:
-                self._caught(exc)
-                self._resync_queue()
-        else:
-            raise AssertionError("a forward kept failing")
+        self._forward(lambda: self._train(b))
         self._empty_window_check(fired)
 
     @rule(b=batches(), keep_graph=st.booleans())
@@ -416,21 +419,9 @@ class TrainingModel(RuleBasedStateMachine):
         """An evaluation forward (no grad), or a training forward whose graph is dropped: no row changes; the
         batch is retired without an update (the next forward retires a dropped one)."""
         event("rule: forward_without_step")
-        for _ in range(6):
-            try:
-                if keep_graph:
-                    out = self.ebc(*b.sparse())
-                    self.awaiting = True
-                else:
-                    with torch.no_grad():
-                        out = self.ebc(*b.sparse())
-                    self.awaiting = False
-                break
-            except TierIOError as exc:
-                self._caught(exc)
-                self._resync_queue()
-        else:
-            raise AssertionError("a forward kept failing")
+        with torch.set_grad_enabled(keep_graph):
+            out = self._forward(lambda: self.ebc(*b.sparse()))
+        self.awaiting = keep_graph
         self._take(b.key)
         assert rel_err(out.detach().numpy(), self.ref.forward(b).numpy()) <= self.tol
         del out
