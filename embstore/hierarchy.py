@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 from embstore.arrays import Ids, RowBytes
-from embstore.policies import AccessResult
+from embstore.policies import AccessResult, CacheDirectory
 from embstore.tiers.base import Tier, TierStats, close_all
 from embstore.tiers.cache import CacheTier
 
@@ -148,6 +148,19 @@ class Hierarchy:
             back = tier.directory.access(keys)
             tier.write_slots(back.slots, rows)
             tier.dirty[back.slots] = True
+
+    def announce(self, ids: Ids) -> None:
+        """Every cache level's directory learns that the next batch not yet announced reads the distinct
+        ``ids`` (``embstore.lookahead``); a level holding its whole table has nothing to rank."""
+        for tier in self.caches:
+            if isinstance(tier.directory, CacheDirectory):
+                tier.directory.announce(ids)
+
+    def advance(self) -> None:
+        """The oldest announced batch is over at every level."""
+        for tier in self.caches:
+            if isinstance(tier.directory, CacheDirectory):
+                tier.directory.advance()
 
     def flush(self) -> None:
         """Cascade every dirty row down to the home, then make the home durable."""

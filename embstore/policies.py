@@ -63,6 +63,7 @@ call used to pass ten arrays and their reference counts), 1.14-1.36x faster.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import numba
@@ -72,6 +73,9 @@ from embstore.arrays import Ids
 from embstore.config import PolicyKind, PolicySpec
 from embstore.hash_index import EMPTY, fidx_get, fidx_insert, fidx_remove, fingerprint, fp_home, index_entries, \
     index_tagging, mix64
+from embstore.lookahead import (AMETA, A_CLOCK, A_FIRST, A_NANN, A_NOCC, A_NSEQ, A_ON, INF, NUSE, O_KEY, OCC, SFREQ,
+                                 idle_state, map_prefetch, occ_add, occ_consume, occ_pending_head, rank_pop, rank_push,
+                                 rank_top, start_state, with_room)
 from embstore.prefetch import prefetch_at, prefetch_cell
 LRU, LFU, CLOCK = 0, 1, 2
 _KIND_CODE = {PolicyKind.LRU: LRU, PolicyKind.LFU: LFU, PolicyKind.CLOCK: CLOCK}
@@ -205,7 +209,9 @@ def _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _policy_victim(kind, capacity, bht, ref, meta):
+def _policy_victim(kind, capacity, bht, ref, meta, nuse, on):
+    """The base policy's victim among the rows it ranks (with announcements: the rows without an announced
+    use; CLOCK's hand passes over the others)."""
     if kind == LRU:
         return meta[M_HEAD]
     if kind == LFU:
@@ -215,8 +221,43 @@ def _policy_victim(kind, capacity, bht, ref, meta):
         meta[M_HAND] = (s + 1) % capacity
         if ref[s]:
             ref[s] = 0
-        else:
+        elif not (on and nuse[s] != INF):
             return s
+
+
+# --- announced batches (embstore.lookahead): rows with an announced use leave the base policy's lists ---
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _announce_row(kind, s, nu, capacity, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah):
+    """Resident slot ``s``, ranked by its base policy so far, now has an announced use in batch ``nu``."""
+    if kind == LFU:
+        ah[SFREQ][s] = bfreq[sbucket[s]]
+    _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+    ah[AMETA][A_NANN] += 1
+    rank_push(ah, s, nu, capacity, slot_key)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _rerank(kind, s, nu, freq, capacity, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta,
+            ah):
+    """Resident slot ``s`` had an announced use that is spent; ``nu`` is its next one (INF: none, and the
+    row goes back to its base policy, LFU at frequency ``freq``)."""
+    if nu != INF:
+        rank_push(ah, s, nu, capacity, slot_key)
+        return
+    ah[NUSE][s] = INF
+    ah[AMETA][A_NANN] -= 1
+    _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+
+
+@numba.njit(cache=True, nogil=True)
+def _halve_saved(ah, capacity):
+    """The sketch aged: the saved LFU frequencies of rows waiting for an announced use halve too."""
+    nuse = ah[NUSE]
+    sfreq = ah[SFREQ]
+    for t in range(capacity):
+        if nuse[t] != INF:
+            sfreq[t] >>= 1
 
 
 @numba.njit(cache=True, inline="always")
@@ -303,13 +344,16 @@ def _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta):
 
 @numba.njit(cache=True, nogil=True)
 def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos,
-                   prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
+                   prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
                    out_slot, out_hit, ev_keys, ev_slots):
     """Process ``keys`` in order. Returns (evicted, hits, rejected)."""
     nev = 0
     nhit = 0
     nrej = 0
     freq = np.int64(1)
+    on = ah[AMETA][A_ON] != 0
+    clock = ah[AMETA][A_CLOCK]
+    nuse = ah[NUSE]
     size = ti.shape[0]
     n = keys.shape[0]
     for i in range(n):
@@ -323,33 +367,57 @@ def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free,
                     prefetch_at(slot_key, e & ((np.int64(1) << shift) - 1))
             if tiny:
                 _sketch_prefetch(sk, keys[i + _INDEX_AHEAD])
+            if on:
+                map_prefetch(ah, keys[i + _INDEX_AHEAD])
         k = keys[i]
         if tiny:
             freq, aged = _sketch_add(sk, k, meta)
             if aged and kind == LFU:
                 _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta)
+                if on:
+                    _halve_saved(ah, capacity)
+        nu = occ_consume(ah, k, clock) if on else INF  # the row's next announced use after this batch
         s = fidx_get(ti, slot_key, k, limit, shift)
         if s >= 0:
             out_slot[i] = s
             out_hit[i] = True
             nhit += 1
-            _policy_hit(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+            if on and nuse[s] != INF:
+                ah[SFREQ][s] += 1
+                _rerank(kind, s, nu, ah[SFREQ][s], capacity, slot_key, prev, nxt, sbucket, bfreq, bht, bprev,
+                        bnext, bfree, ref, meta, ah)
+                if kind == CLOCK and nu == INF:
+                    ref[s] = 1
+            else:
+                _policy_hit(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
             continue
         out_hit[i] = False
         if meta[M_NFREE] > 0:
             meta[M_NFREE] -= 1
             s = free[meta[M_NFREE]]
         else:
-            v = _policy_victim(kind, capacity, bht, ref, meta)
-            if tiny:
-                vf = bfreq[sbucket[v]] if kind == LFU else _sketch_estimate(sk, slot_key[v])
-                if freq <= vf:
+            if on and ah[AMETA][A_NANN] >= capacity:  # every resident is needed in the window: MIN's choice
+                v = rank_top(ah, capacity, slot_key)
+                if nu >= nuse[v]:  # needed no sooner than the row needed last: bypass
                     out_slot[i] = -1
                     nrej += 1
                     continue
+                rank_pop(ah)
+            else:
+                v = _policy_victim(kind, capacity, bht, ref, meta, nuse, on)
+                if tiny and nu == INF:  # a row with an announced use is admitted over one without
+                    vf = bfreq[sbucket[v]] if kind == LFU else _sketch_estimate(sk, slot_key[v])
+                    if freq <= vf:
+                        out_slot[i] = -1
+                        nrej += 1
+                        continue
             old = slot_key[v]
             fidx_remove(ti, old, v, limit, shift)
-            _policy_remove(kind, v, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+            if on and nuse[v] != INF:
+                nuse[v] = INF
+                ah[AMETA][A_NANN] -= 1
+            else:
+                _policy_remove(kind, v, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
             p = slot_pos[v]  # where the victim was inserted; in this batch if that position missed into v
             if p < i and not out_hit[p] and out_slot[p] == v and keys[p] == old:
                 out_slot[p] = -1  # inserted earlier in this batch: it never lands
@@ -360,7 +428,12 @@ def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free,
             s = v
         slot_key[s] = k
         fidx_insert(ti, k, s, limit, shift)
-        _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+        if nu != INF:
+            ah[SFREQ][s] = freq
+            ah[AMETA][A_NANN] += 1
+            rank_push(ah, s, nu, capacity, slot_key)
+        else:
+            _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
         slot_pos[s] = i
         out_slot[i] = s
     return nev, nhit, nrej
@@ -378,17 +451,63 @@ def _lookup_kernel(keys, ti, limit, shift, slot_key, out):
 
 @numba.njit(cache=True, nogil=True)
 def _remove_kernel(keys, kind, ti, limit, shift, slot_key, free, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
-                   ref, meta, out_slot):
+                   ref, meta, ah, out_slot):
+    on = ah[AMETA][A_ON] != 0
+    nuse = ah[NUSE]
     for i in range(keys.shape[0]):
         s = fidx_get(ti, slot_key, keys[i], limit, shift)
         out_slot[i] = s
         if s < 0:
             continue
         fidx_remove(ti, keys[i], s, limit, shift)
-        _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+        if on and nuse[s] != INF:
+            nuse[s] = INF
+            ah[AMETA][A_NANN] -= 1
+        else:
+            _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
         slot_key[s] = EMPTY
         free[meta[M_NFREE]] = s
         meta[M_NFREE] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _announce_kernel(keys, kind, capacity, ti, limit, shift, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext,
+                     bfree, ref, meta, ah):
+    """Batch ``A_NSEQ`` (the next one announced) uses the distinct ``keys``."""
+    seq = ah[AMETA][A_NSEQ]
+    n = keys.shape[0]
+    for i in range(n):
+        if i + _INDEX_AHEAD < n:
+            map_prefetch(ah, keys[i + _INDEX_AHEAD])
+            prefetch_at(ti, fp_home(fingerprint(keys[i + _INDEX_AHEAD]), ti.shape[0]))
+        k = keys[i]
+        if occ_add(ah, k, seq):  # its first pending use: a resident row starts waiting for it
+            s = fidx_get(ti, slot_key, k, limit, shift)
+            if s >= 0:
+                _announce_row(kind, s, seq, capacity, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
+                              ref, meta, ah)
+    ah[AMETA][A_NSEQ] = seq + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _advance_kernel(lo, hi, kind, capacity, ti, limit, shift, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext,
+                    bfree, ref, meta, ah):
+    """Batch ``A_CLOCK`` (its occurrences ``[lo, hi)``) is over: the uses of it no access spent are dropped."""
+    am = ah[AMETA]
+    clock = am[A_CLOCK]
+    occ = ah[OCC]
+    mask = occ.shape[0] - 1
+    for o in range(lo, hi):
+        k = occ[o & mask, O_KEY]
+        if occ_pending_head(ah, k) != o:  # spent by an access
+            continue
+        nu = occ_consume(ah, k, clock)
+        s = fidx_get(ti, slot_key, k, limit, shift)
+        if s >= 0:
+            _rerank(kind, s, nu, ah[SFREQ][s], capacity, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext,
+                    bfree, ref, meta, ah)
+    am[A_FIRST] = hi
+    am[A_CLOCK] = clock + 1
 
 
 @dataclass(frozen=True)
@@ -469,6 +588,8 @@ class CacheDirectory:
         self._meta[M_HEAD] = self._meta[M_TAIL] = self._meta[M_BMIN] = -1
         self._meta[M_NBFREE] = nb
         self._meta[M_SKSAMPLE] = SKETCH_SAMPLE_PER_SLOT * c
+        self._ah = idle_state()  # announced batches (embstore.lookahead), allocated by the first announce
+        self._batch_ends: collections.deque[int] = collections.deque()  # occurrence id past each pending batch
 
     @property
     def resident(self) -> int:
@@ -476,16 +597,27 @@ class CacheDirectory:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every array the directory holds (``directory_bytes`` computes it up front)."""
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        """Bytes of every array the directory holds (``directory_bytes`` computes it up front, without the
+        look-ahead arrays a first ``announce`` allocates)."""
+        own = sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        return own + (sum(a.nbytes for a in self._ah) if self._ah[AMETA][A_ON] else 0)
+
+    @property
+    def announced(self) -> int:
+        """Announced batches not yet advanced past (the current one included)."""
+        return len(self._batch_ends)
+
+    def _keys(self, keys: Ids) -> np.ndarray:
+        keys = np.ascontiguousarray(keys, np.int64)
+        if self._limit and len(keys) and (int(keys.min()) < 0 or int(keys.max()) >= self._limit):
+            raise ValueError(f"keys must lie in [0, {self._limit}) for this directory, got "
+                             f"{int(keys.min())}..{int(keys.max())}")
+        return keys
 
     def access(self, keys: Ids) -> AccessResult:
         """Look up (and insert on miss) the unique ``keys`` in order; see module doc."""
-        keys = np.ascontiguousarray(keys, np.int64)
+        keys = self._keys(keys)
         n = len(keys)
-        if self._limit and n and (int(keys.min()) < 0 or int(keys.max()) >= self._limit):
-            raise ValueError(f"keys must lie in [0, {self._limit}) for this directory, got "
-                             f"{int(keys.min())}..{int(keys.max())}")
         slots = np.empty(n, np.int64)
         hit = np.empty(n, np.bool_)
         ev_keys = np.empty(n, np.int64)
@@ -494,8 +626,31 @@ class CacheDirectory:
             keys, self._kind, self.policy.tinylfu, self.capacity,
             self._index, self._limit, self._shift, self.slot_key, self._free, self._slot_pos,
             self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev, self._bnext,
-            self._bfree, self._ref, self._sk, self._meta, slots, hit, ev_keys, ev_slots)
+            self._bfree, self._ref, self._sk, self._meta, self._ah, slots, hit, ev_keys, ev_slots)
         return AccessResult(slots, hit, ev_keys[:nev], ev_slots[:nev], int(nrej))
+
+    def announce(self, keys: Ids) -> None:
+        """The next batch not yet announced uses the *distinct* ``keys`` (``embstore.lookahead``): until
+        ``advance`` passes it, rows are ranked by their next announced use."""
+        keys = self._keys(keys)
+        if not self._ah[AMETA][A_ON]:
+            self._ah = start_state(self.capacity, max(2 * len(keys), 1024))
+        self._ah = with_room(self._ah, len(keys))
+        _announce_kernel(keys, self._kind, self.capacity, self._index, self._limit, self._shift, self.slot_key,
+                         self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev, self._bnext,
+                         self._bfree, self._ref, self._meta, self._ah)
+        self._batch_ends.append(int(self._ah[AMETA][A_NOCC]))
+
+    def advance(self) -> bool:
+        """The oldest announced batch is over (uses of it no access spent are dropped); False when none
+        is pending."""
+        if not self._batch_ends:
+            return False
+        hi = self._batch_ends.popleft()
+        _advance_kernel(int(self._ah[AMETA][A_FIRST]), hi, self._kind, self.capacity, self._index, self._limit,
+                        self._shift, self.slot_key, self._prev, self._nxt, self._sbucket, self._bfreq, self._bht,
+                        self._bprev, self._bnext, self._bfree, self._ref, self._meta, self._ah)
+        return True
 
     def keys_at(self, slots: np.ndarray) -> np.ndarray:
         """The key each of ``slots`` holds (EMPTY where none)."""
@@ -512,7 +667,7 @@ class CacheDirectory:
         out = np.empty(len(keys), np.int64)
         _remove_kernel(np.ascontiguousarray(keys, np.int64), self._kind, self._index, self._limit, self._shift, self.slot_key,
                        self._free, self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev,
-                       self._bnext, self._bfree, self._ref, self._meta, out)
+                       self._bnext, self._bfree, self._ref, self._meta, self._ah, out)
         return out
 
     def occupied_slots(self) -> np.ndarray:
@@ -520,8 +675,9 @@ class CacheDirectory:
 
 
 @numba.njit(cache=True, nogil=True)
-def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos,
-                     prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, hit_out):
+def _simulate_kernel(keys, batch_offsets, ann_keys, ann_offsets, ahead, kind, tiny, capacity, ti, limit, shift,
+                     slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
+                     hit_out):
     nb = batch_offsets.shape[0] - 1
     max_b = 0
     for b in range(nb):
@@ -530,26 +686,54 @@ def _simulate_kernel(keys, batch_offsets, kind, tiny, capacity, ti, limit, shift
     ev_keys = np.empty(max_b, np.int64)
     ev_slots = np.empty(max_b, np.int64)
     total = 0
+    told = 0  # batches announced so far
     for b in range(nb):
+        while ahead >= 0 and told <= b + ahead and told < nb:
+            _announce_kernel(ann_keys[ann_offsets[told]:ann_offsets[told + 1]], kind, capacity, ti, limit, shift,
+                             slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah)
+            told += 1
         lo = batch_offsets[b]
         hi = batch_offsets[b + 1]
         _, h, _ = _access_kernel(keys[lo:hi], kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos,
-                                 prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta,
+                                 prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
                                  out_slot[: hi - lo], hit_out[lo:hi], ev_keys, ev_slots)
+        if ahead >= 0:
+            _advance_kernel(ann_offsets[b], ann_offsets[b + 1], kind, capacity, ti, limit, shift, slot_key, prev, nxt,
+                            sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah)
         total += h
     return total
 
 
-def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: PolicySpec | str = "lru") -> np.ndarray:
+def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: PolicySpec | str = "lru", *,
+             announce: int | None = None, announced: tuple[Ids, np.ndarray] | None = None) -> np.ndarray:
     """Replay ``keys`` (unique within each batch) through a fresh directory; per-access hit mask.
 
     The same kernel the store's cache tiers run, driven from numba over the
-    whole trace (no Python per batch).
+    whole trace (no Python per batch). ``announce=K``: before each batch is
+    accessed, it and the K batches after it have been announced, and the
+    directory advances past it afterwards, as ``Table.announce``/``advance``
+    do in the store. ``announced`` = (keys, offsets) of what is announced per
+    batch when it differs from what is accessed (a lower cache level sees only
+    the misses above it but is told whole batches); by default the batches
+    themselves.
     """
     keys = np.ascontiguousarray(keys, np.int64)
-    d = CacheDirectory(capacity, policy, key_limit=int(keys.max()) + 1 if len(keys) and keys.min() >= 0 else None)
+    off = np.ascontiguousarray(batch_offsets, np.int64)
+    ann_keys, ann_off = (keys, off) if announced is None else (np.ascontiguousarray(announced[0], np.int64),
+                                                               np.ascontiguousarray(announced[1], np.int64))
+    if ann_off.shape != off.shape:
+        raise ValueError(f"announced batches ({len(ann_off) - 1}) must match the accessed ones ({len(off) - 1})")
+    both = np.concatenate([keys, ann_keys]) if announce is not None and announced is not None else keys
+    d = CacheDirectory(capacity, policy, key_limit=int(both.max()) + 1 if len(both) and both.min() >= 0 else None)
+    ahead = -1
+    if announce is not None:
+        ahead = int(announce)
+        if ahead < 0:
+            raise ValueError(f"announce must be >= 0 batches, got {announce}")
+        window = ann_off[np.minimum(np.arange(len(ann_off)) + ahead + 1, len(ann_off) - 1)] - ann_off
+        d._ah = start_state(d.capacity, int(window.max(initial=0)) + 1)
     hit = np.zeros(len(keys), np.bool_)
-    _simulate_kernel(keys, np.ascontiguousarray(batch_offsets, np.int64), d._kind, d.policy.tinylfu, d.capacity,
+    _simulate_kernel(keys, off, ann_keys, ann_off, ahead, d._kind, d.policy.tinylfu, d.capacity,
                      d._index, d._limit, d._shift, d.slot_key, d._free, d._slot_pos, d._prev, d._nxt, d._sbucket,
-                     d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, hit)
+                     d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, d._ah, hit)
     return hit

@@ -90,15 +90,17 @@ def _levels(levels: Sequence[tuple[PolicySpec | str, int]]) -> list[tuple[Policy
     return out
 
 
-def simulate_level(keys: Ids, offsets: Offsets, policy: PolicySpec, capacity: int) -> npt.NDArray[np.bool_]:
-    """Per-access hit mask of one cache level (capacity 0: no cache, every access misses)."""
+def simulate_level(keys: Ids, offsets: Offsets, policy: PolicySpec, capacity: int, announce: int | None = None,
+                   announced: tuple[Ids, Offsets] | None = None) -> npt.NDArray[np.bool_]:
+    """Per-access hit mask of one cache level (capacity 0: no cache, every access misses); ``announce`` and
+    ``announced`` as in ``embstore.policies.simulate``."""
     if capacity == 0 or keys.size == 0:
         return np.zeros(keys.size, np.bool_)
     if capacity > keys.size:
         # more slots than accesses: the cache never fills, so it behaves as one sized to the distinct keys
-        # (no eviction, no admission test), and simulating that size does not allocate the slots asked for
+        # (no eviction, no admission test, no bypass), and simulating that size does not allocate the slots
         capacity = int(np.unique(keys).size)
-    return simulate(keys, offsets, capacity, policy)
+    return simulate(keys, offsets, capacity, policy, announce=announce, announced=announced)
 
 
 def _next_offsets(mask: npt.NDArray[np.bool_], offsets: Offsets) -> Offsets:
@@ -149,12 +151,26 @@ def demand_misses(keys: Ids, offsets: Offsets, miss: npt.NDArray[np.bool_], capa
     return int(demand.sum())
 
 
+def _check_batches(value: Any, name: str, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidInputError(f"{name} must be an integer >= 0 batches, got {value!r}")
+
+
 def replay_keys(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[PolicySpec | str, int]], *,
-                row_bytes: int = 0, lookahead: int = 0, belady: bool = True, dedup: bool = True) -> ReplayResult:
-    """Replay a key sequence (any int64 keys >= 0) through cache ``levels`` (fastest first) over a home."""
+                row_bytes: int = 0, lookahead: int = 0, belady: bool = True, dedup: bool = True,
+                announce: int | None = None) -> ReplayResult:
+    """Replay a key sequence (any int64 keys >= 0) through cache ``levels`` (fastest first) over a home.
+
+    ``announce=K``: every level is told each batch and the K after it before
+    the batch is read (``Table.announce``, as the store's training pipeline
+    does with ``announce=K``); a lower level is told whole batches but sees
+    only the misses above it, as in the store.
+    """
     lv = _levels(levels)
-    if isinstance(lookahead, (bool, np.bool_)) or not isinstance(lookahead, (int, np.integer)) or lookahead < 0:
-        raise InvalidInputError(f"lookahead must be an integer >= 0 batches, got {lookahead!r}")
+    _check_batches(lookahead, "lookahead")
+    _check_batches(announce, "announce", allow_none=True)
     keys = _as_keys(keys)  # integers only: float keys would be truncated into other rows
     off = np.ascontiguousarray(batch_offsets, np.int64)
     if dedup:
@@ -163,7 +179,7 @@ def replay_keys(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[Policy
     results = []
     miss0 = np.ones(keys.size, np.bool_)
     for i, (spec, cap) in enumerate(lv):
-        hit = simulate_level(keys, off, spec, cap)
+        hit = simulate_level(keys, off, spec, cap, announce, None if i == 0 else (k0, off0))
         if i == 0:
             miss0 = ~hit
         n, h = int(keys.size), int(hit.sum())
@@ -174,7 +190,8 @@ def replay_keys(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[Policy
         keys = keys[~hit]
     cap0 = lv[0][1] if lv else 0
     dm = demand_misses(k0, off0, miss0, cap0, lookahead) if lv else int(k0.size)
-    return ReplayResult(int(k0.size), int(off0.size - 1), tuple(results), int(keys.size), dm, lookahead, row_bytes)
+    return ReplayResult(int(k0.size), int(off0.size - 1), tuple(results), int(keys.size), dm, lookahead, row_bytes,
+                        {"announce": announce} if announce is not None else {})
 
 
 def table_keys(trace: Trace, table: int) -> tuple[Ids, Offsets]:
@@ -184,20 +201,22 @@ def table_keys(trace: Trace, table: int) -> tuple[Ids, Offsets]:
 
 
 def replay_trace(trace: Trace, levels: Sequence[tuple[PolicySpec | str, int]], *, per_table: bool = False,
-                 row_bytes: int = 0, lookahead: int = 0, belady: bool = True) -> dict[str, ReplayResult]:
+                 row_bytes: int = 0, lookahead: int = 0, belady: bool = True,
+                 announce: int | None = None) -> dict[str, ReplayResult]:
     """Replay a trace: ``{"all": result}`` for one cache over every table (rows are
     ``(table, id)`` pairs), or ``{table_name: result}`` with ``per_table`` (each
     table its own hierarchy of the given sizes, as in the store)."""
     if not per_table:
         keys, _ = dense_keys(trace)
         return {"all": replay_keys(keys, trace.batch_offsets, levels, row_bytes=row_bytes,
-                                   lookahead=lookahead, belady=belady)}
+                                   lookahead=lookahead, belady=belady, announce=announce)}
     out = {}
     for t, name in enumerate(trace.table_names):
         ids, off = table_keys(trace, t)
         if ids.size and ids.min() < 0:
             raise InvalidInputError(f"table {name!r} has negative ids; the store cannot look them up")
-        out[name] = replay_keys(ids, off, levels, row_bytes=row_bytes, lookahead=lookahead, belady=belady)
+        out[name] = replay_keys(ids, off, levels, row_bytes=row_bytes, lookahead=lookahead, belady=belady,
+                                announce=announce)
     return out
 
 
@@ -205,9 +224,11 @@ replay = replay_trace
 
 
 def miss_ratio_curve(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLike, policy: PolicySpec | str,
-                     *, dedup: bool = True, progress: Any = None) -> npt.NDArray[np.int64]:
+                     *, dedup: bool = True, progress: Any = None, announce: int | None = None) -> npt.NDArray[np.int64]:
     """Hits of a single cache at each capacity (rows). ``policy`` "belady" gives MIN;
-    plain LRU takes one stack-distance pass; the others one simulate per capacity."""
+    plain LRU takes one stack-distance pass; the others (and any policy told ``announce``
+    batches ahead) one simulate per capacity."""
+    _check_batches(announce, "announce", allow_none=True)
     caps = np.asarray(capacities)
     if caps.ndim != 1 or (caps.size and (caps.dtype.kind not in "iu" or caps.min() < 0)):
         raise InvalidInputError("capacities must be a 1-D array of row counts >= 0")
@@ -222,14 +243,14 @@ def miss_ratio_curve(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLik
             progress(caps.size)
         return out
     spec = PolicySpec.parse(policy)
-    if str(spec) == "lru":
+    if str(spec) == "lru" and announce is None:
         out = lru_mrc(keys, caps)
         if progress is not None:
             progress(caps.size)
         return out
     out = np.zeros(caps.size, np.int64)
     for j, c in enumerate(caps.tolist()):
-        out[j] = int(simulate_level(keys, off, spec, int(c)).sum())
+        out[j] = int(simulate_level(keys, off, spec, int(c), announce).sum())
         if progress is not None:
             progress(1)
     return out

@@ -29,6 +29,7 @@ from embstore.tiers.cache import DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
 
 POOL_MODES = ("sum", "mean")
+MAX_ANNOUNCED = 1024  # announced batches a table keeps pending: more means an advance() is missing
 
 
 class Table:
@@ -45,6 +46,7 @@ class Table:
         self._closed = False
         self.lookups = 0  # ids looked up (before dedup) by calls that answered
         self.recorder: Any | None = None  # optional access recorder (trace capture)
+        self.announced = 0  # batches announced and not yet advanced past
 
     @property
     def name(self) -> str:
@@ -226,6 +228,41 @@ class Table:
                 out = pool(self._read_unique(uniq), inv, offs, mode)
             self.lookups += len(arr)
         return self._out(out, as_torch)
+
+    def announce(self, ids: Any) -> None:
+        """Tell the table's caches the ids a coming batch will read, before it reads them.
+
+        Batches are announced in the order they will be read, each once; a
+        cache then keeps the rows the announced batches need soonest and lets
+        go of those needed last or never, as Belady's MIN does inside the
+        window (``embstore.lookahead``), and ranks the rest by its own policy.
+        Call ``advance()`` when the oldest announced batch's reads are done. A
+        training pipeline knows its next batches' ids (its data loader reads
+        ahead); ``TieredEmbeddingBagCollection.pipeline(..., announce=K)`` does
+        this for you. Announcing changes which rows stay cached, never what a
+        read returns. Raises InvalidInputError for bad ids and when
+        ``MAX_ANNOUNCED`` batches are pending (an ``advance()`` is missing).
+        """
+        arr, _ = as_ids(ids)
+        with self._lock:
+            self._check_open()
+            if self.announced >= MAX_ANNOUNCED:
+                raise InvalidInputError(f"table {self.name!r}: {self.announced} announced batches are pending; "
+                                        "call advance() after each announced batch is read")
+            uniq, _ = unique_inverse(self.physical_rows(arr).reshape(-1))
+            self.hierarchy.announce(uniq)
+            self.announced += 1
+
+    def advance(self) -> bool:
+        """The oldest announced batch has been read (its announced uses no read spent are dropped); False
+        when no announced batch is pending."""
+        with self._lock:
+            self._check_open()
+            if not self.announced:
+                return False
+            self.hierarchy.advance()
+            self.announced -= 1
+            return True
 
     def _checked_update(self, ids: Any, rows: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         arr, _ = as_ids(ids)

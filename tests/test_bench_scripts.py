@@ -18,6 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache_refs import optimum_with_bypass
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
 sys.path.insert(0, str(BENCH))
@@ -282,27 +284,6 @@ def _lookahead_reference(keys: list[int], offsets: list[int], capacity: int, ahe
     return hits
 
 
-def _optimum_with_bypass(keys: list[int], capacity: int) -> int:
-    """The most hits any cache of ``capacity`` rows can get on ``keys`` (it may decline to admit a row):
-    every choice tried, over the reachable sets of resident rows."""
-    best: dict[frozenset[int], int] = {frozenset(): 0}
-    for x in keys:
-        nxt: dict[frozenset[int], int] = {}
-        for held, hits in best.items():
-            if x in held:
-                options = [(held, hits + 1)]
-            else:
-                options = [(held, hits)]
-                if len(held) < capacity:
-                    options.append((held | {x}, hits))
-                else:
-                    options += [((held - {y}) | {x}, hits) for y in held]
-            for state, h in options:
-                nxt[state] = max(nxt.get(state, -1), h)
-        best = nxt
-    return max(best.values())
-
-
 def _batches(draw_keys: list[int], cuts: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Keys cut into batches at ``cuts`` and deduplicated per batch (each batch's first occurrences)."""
     from embstore.belady import dedup_batches
@@ -340,5 +321,5 @@ def test_lookahead_over_the_whole_trace_is_the_optimum(keys: list[int], cuts: li
 
     arr, offsets = _batches(keys, cuts)
     got = _ahead(arr, offsets, capacity, len(offsets))
-    assert got == _optimum_with_bypass(arr.tolist(), capacity)
+    assert got == optimum_with_bypass(arr.tolist(), capacity)
     assert got >= belady_hits(arr, capacity)

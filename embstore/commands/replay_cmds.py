@@ -90,6 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--row-bytes", type=positive_int, default=256, help="bytes per row (default 256)")
     r.add_argument("--lookahead", type=nonneg_int, default=0,
                    help="batches known ahead for prefetch; reports demand misses left (default 0)")
+    r.add_argument("--announce", type=nonneg_int, default=None, metavar="K",
+                   help="tell the cache each batch and the K after it before the batch is read "
+                        "(Table.announce, as a training pipeline with announce=K does): it then keeps the rows "
+                        "needed soonest, as Belady's MIN does inside that window (default: nothing announced)")
     r.add_argument("--home", choices=["ssd", "mmap", "rocksdb"], default="ssd",
                    help="home tier for the modelled time (default ssd)")
     r.add_argument("--batch-size", type=positive_int, default=None,
@@ -164,13 +168,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 for cap in args.capacity:
                     rows = _rows(cap, uniq)
                     res = replay_keys(k, o, [(pol, _simulated_rows(rows, uniq))], row_bytes=args.row_bytes,
-                                      lookahead=args.lookahead, dedup=False)
+                                      lookahead=args.lookahead, dedup=False, announce=args.announce)
                     lv = res.levels[0]
                     secs = cost.batch_seconds([("dram", lv.hits), (args.home, lv.misses)]) / max(1, res.batches)
                     rec = {"policy": pol, "capacity_rows": rows, "accesses": res.accesses, "hits": lv.hits,
                            "hit_ratio": lv.hit_ratio, "belady_hit_ratio": lv.belady_hit_ratio}
                     if args.per_table:
                         rec["table"] = name
+                    if args.announce is not None:
+                        rec["announce"] = args.announce
                     rec.update(bytes_read=lv.bytes_read, bytes_fetched=lv.bytes_in,
                                modelled_seconds_per_batch=secs, lookahead=args.lookahead,
                                demand_misses=res.demand_misses)
@@ -182,7 +188,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_format_replay(records, args, cost))
     if args.plot:
-        _plot(groups, args.policy, args.plot, args.capacity)
+        _plot(groups, args.policy, args.plot, args.capacity, args.announce)
         if not args.json:
             print(f"wrote {args.plot}")
     return 0
@@ -191,7 +197,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmodel.CostModel) -> str:
     src = "calibrated" if cost.measured else "built-in"
     lines = [f"trace {args.trace}: accesses are per-batch deduplicated; modelled time: {src} costs, "
-             f"DRAM cache over {args.home}, {args.row_bytes} B rows"]
+             f"DRAM cache over {args.home}, {args.row_bytes} B rows"
+             + (f"; each batch announced {args.announce} batches ahead" if args.announce is not None else "")]
     head = f"{'table':<12} {'policy':<12} {'capacity':>10} {'hit %':>7} {'belady %':>9} {'of MIN':>7} " \
            f"{'fetched MiB':>12} {'ms/batch':>9}"
     if args.lookahead:
@@ -209,9 +216,10 @@ def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmode
     return "\n".join(lines) + "\n"
 
 
-def _plot(groups, policies: list[str], path: str, marks: list[int | float] = ()) -> None:
+def _plot(groups, policies: list[str], path: str, marks: list[int | float] = (), announce: int | None = None) -> None:
     """Miss ratio against capacity as a share of the distinct rows (log scale), one panel per group;
-    Belady's MIN dashed, the capacities asked for as dotted verticals."""
+    Belady's MIN dashed, the capacities asked for as dotted verticals (policies told ``announce`` batches
+    ahead when given)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,10 +233,11 @@ def _plot(groups, policies: list[str], path: str, marks: list[int | float] = ())
             caps = np.unique(np.geomspace(max(1.0, uniq / 10_000), uniq, num=32).astype(np.int64))
             n = max(1, k.size)
             for i, pol in enumerate([*policies, "belady"]):
-                hits = miss_ratio_curve(k, o, caps, pol, dedup=False)
+                hits = miss_ratio_curve(k, o, caps, pol, dedup=False, announce=None if pol == "belady" else announce)
                 style = dict(color="black", linestyle="--") if pol == "belady" else \
                     dict(linestyle=("-", "-.", ":")[i % 3], linewidth=1.6)
-                ax.plot(100 * caps / uniq, 1 - hits / n, label=pol, **style)
+                told = announce is not None and pol != "belady"
+                ax.plot(100 * caps / uniq, 1 - hits / n, label=f"{pol}, announced {announce}" if told else pol, **style)
                 bar.update(1)
             for cap in marks:
                 ax.axvline(100 * _rows(cap, uniq) / uniq, color="grey", linestyle=":", linewidth=0.8)

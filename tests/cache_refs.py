@@ -1,0 +1,142 @@
+"""Plain-Python reference caches for the policy tests: a directory told announced batches, and the optimum."""
+
+from __future__ import annotations
+
+from collections import deque
+
+INF = 1 << 62
+
+
+class AnnouncedReference:
+    """``CacheDirectory`` with announcements (``embstore.lookahead``), for ``lru`` and ``lfu`` without
+    admission, written for clarity: dicts and ``min``/``max`` over residents, no lists or heaps.
+
+    Rows without an announced use are ranked by the base policy: LRU by the tick of their last hit or
+    insertion, LFU by (frequency, tick); the victim is the smallest. Rows with one wait for it: the victim
+    among them is the largest (next use, slot). Slots come from a stack that hands out slot 0 first.
+    """
+
+    def __init__(self, capacity: int, policy: str) -> None:
+        assert policy in ("lru", "lfu")
+        self.capacity, self.lfu = capacity, policy == "lfu"
+        self.free = list(range(capacity - 1, -1, -1))
+        self.slot: dict[int, int] = {}  # resident key -> slot
+        self.base: dict[int, tuple[int, int]] = {}  # resident key without an announced use -> (freq, tick)
+        self.nuse: dict[int, int] = {}  # resident key with one -> the batch of its next use
+        self.saved: dict[int, int] = {}  # ... and its frequency, for when it returns to the base policy
+        self.pending: dict[int, deque[int]] = {}  # key -> batches that use it, announced and not spent
+        self.batches: deque[list[int]] = deque()  # announced batches not advanced past
+        self.tick = 0
+        self.seq = 0  # next batch to announce
+        self.clock = 0  # the current batch
+        self.bypassed = 0  # rows the last access declined to admit
+
+    def _to_base(self, k: int, freq: int) -> None:
+        self.tick += 1
+        self.base[k] = (freq if self.lfu else 0, self.tick)
+
+    def _wait(self, k: int, nu: int, freq: int) -> None:
+        self.base.pop(k, None)
+        self.nuse[k], self.saved[k] = nu, freq
+
+    def _rerank(self, k: int, nu: int, freq: int) -> None:
+        if nu != INF:
+            self.nuse[k] = nu
+        else:
+            del self.nuse[k]
+            self._to_base(k, freq)
+
+    def _spend(self, k: int) -> int:
+        q = self.pending.get(k)
+        if q and q[0] == self.clock:
+            q.popleft()
+        if not q:
+            self.pending.pop(k, None)
+            return INF
+        return q[0]
+
+    def announce(self, keys: list[int]) -> None:
+        for k in keys:
+            q = self.pending.setdefault(k, deque())
+            q.append(self.seq)
+            if len(q) == 1 and k in self.base:
+                self._wait(k, self.seq, self.base[k][0])
+        self.batches.append(list(keys))
+        self.seq += 1
+
+    def advance(self) -> bool:
+        if not self.batches:
+            return False
+        for k in self.batches.popleft():
+            q = self.pending.get(k)
+            if q and q[0] == self.clock:
+                nu = self._spend(k)
+                if k in self.nuse:
+                    self._rerank(k, nu, self.saved[k])
+        self.clock += 1
+        return True
+
+    def access(self, keys: list[int]) -> tuple[list[int], list[bool], list[int]]:
+        """(slot per key, -1 when bypassed or pushed out within the batch; hit per key; evicted keys)."""
+        slots, hits, evicted = [], [], []
+        self.bypassed = 0
+        inserted_at: dict[int, int] = {}  # key inserted by this batch -> its position
+        for i, k in enumerate(keys):
+            nu = self._spend(k)
+            if k in self.slot:
+                slots.append(self.slot[k])
+                hits.append(True)
+                if k in self.nuse:
+                    self.saved[k] += 1
+                    self._rerank(k, nu, self.saved[k])
+                else:
+                    self._to_base(k, self.base[k][0] + 1)
+                continue
+            hits.append(False)
+            if self.free:
+                s = self.free.pop()
+            else:
+                if len(self.nuse) >= self.capacity:
+                    v = max(self.nuse, key=lambda r: (self.nuse[r], self.slot[r]))
+                    if nu >= self.nuse[v]:
+                        slots.append(-1)
+                        self.bypassed += 1
+                        continue
+                    del self.nuse[v]
+                else:
+                    v = min(self.base, key=self.base.__getitem__)
+                    del self.base[v]
+                s = self.slot.pop(v)
+                if v in inserted_at:
+                    slots[inserted_at.pop(v)] = -1
+                else:
+                    evicted.append(v)
+            self.slot[k] = s
+            inserted_at[k] = i
+            if nu != INF:
+                self._wait(k, nu, 1)
+            else:
+                self._to_base(k, 1)
+            slots.append(s)
+        return slots, hits, evicted
+
+
+def optimum_with_bypass(keys: list[int], capacity: int) -> int:
+    """The most hits any cache of ``capacity`` rows can get on ``keys`` (it may decline to admit a row):
+    every choice tried, over the reachable sets of resident rows."""
+    best: dict[frozenset[int], int] = {frozenset(): 0}
+    for x in keys:
+        nxt: dict[frozenset[int], int] = {}
+        for held, hits in best.items():
+            if x in held:
+                options = [(held, hits + 1)]
+            else:
+                options = [(held, hits)]
+                if len(held) < capacity:
+                    options.append((held | {x}, hits))
+                else:
+                    options += [((held - {y}) | {x}, hits) for y in held]
+            for state, h in options:
+                nxt[state] = max(nxt.get(state, -1), h)
+        best = nxt
+    return max(best.values())
