@@ -149,6 +149,11 @@ class Hierarchy:
             tier.write_slots(back.slots, rows)
             tier.dirty[back.slots] = True
 
+    @property
+    def ranks_announced(self) -> bool:
+        """Whether some cache level ranks rows by announced use (one holding its whole table does not)."""
+        return any(isinstance(t.directory, CacheDirectory) for t in self.caches)
+
     def announce(self, ids: Ids) -> None:
         """Every cache level's directory learns that the next batch not yet announced reads the distinct
         ``ids`` (``embstore.lookahead``); a level holding its whole table has nothing to rank."""

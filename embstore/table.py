@@ -249,8 +249,9 @@ class Table:
             if self.announced >= MAX_ANNOUNCED:
                 raise InvalidInputError(f"table {self.name!r}: {self.announced} announced batches are pending; "
                                         "call advance() after each announced batch is read")
-            uniq, _ = unique_inverse(self.physical_rows(arr).reshape(-1))
-            self.hierarchy.announce(uniq)
+            rows = self.physical_rows(arr).reshape(-1)  # validated even when no cache ranks them
+            if self.hierarchy.ranks_announced:
+                self.hierarchy.announce(unique_inverse(rows)[0])
             self.announced += 1
 
     def advance(self) -> bool:

@@ -323,3 +323,15 @@ def test_lookahead_over_the_whole_trace_is_the_optimum(keys: list[int], cuts: li
     got = _ahead(arr, offsets, capacity, len(offsets))
     assert got == optimum_with_bypass(arr.tolist(), capacity)
     assert got >= belady_hits(arr, capacity)
+
+
+def test_policies_bench_reports_the_store_policies_told_batches_ahead(capsys) -> None:
+    """`--quick` (20 batches): told 32 batches ahead, a store policy sees the whole trace, and beats every
+    online policy at each size."""
+    mod = _script("tools/bench/bench_policies.py")
+    out = mod.main(["--quick"])
+    capsys.readouterr()
+    assert set(out["announced"]) == {f"{p} K={k}" for p in mod.ANNOUNCED_POLICIES for k in mod.ANNOUNCE}
+    assert all(a >= b for a, b in zip(out["best_share_announced_32"], out["best_share_of_belady"]))
+    assert min(out["best_share_announced_32"]) > max(out["best_share_of_belady"])
+    assert out["announced"]["lfu+tinylfu K=4"]["hit_ratio"] != out["policies"]["lfu+tinylfu"]["hit_ratio"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from faultfs import needs_mount
 
+from embstore.errors import InvalidInputError
 from embstore.training import TieredEmbeddingBagCollection, state_dim
 from embstore.training.testing import TorchReference, initial_weights, loss_of, make_store, random_batches, rel_err
 
@@ -256,4 +257,51 @@ def test_a_failed_prefetch_raises_and_unpins_its_batch(tmp_path) -> None:
         loss_of(ebc(ids, offs), w).backward()
     assert ebc._pending == {} and ebc.stats()["working_set_rows"] == {"a": 0, "b": 0}
     ebc.release()
+    store.close()
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_announced_batches_change_what_the_store_caches_not_what_is_trained(tmp_path, lookahead) -> None:
+    """pipeline(announce=4) tells each table every batch 4 beyond its prefetch window: the trained rows are
+    bit for bit those of a run told nothing, the caches' hits differ, and every announcement is advanced
+    past by the end; inside the loop each table holds the window's batches as pending announcements."""
+    batches = random_batches(3, 16, [ROWS, ROWS], batch=32, max_len=8, dim=DIM, zipf=1.2)
+    stores, hits = [], []
+    for announce in (0, 4):
+        store = cold_store(tmp_path / f"s{announce}")
+        ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer="rowwise_adagrad")
+        for i, (ids, offs, w) in enumerate(ebc.pipeline(batches, lookahead=lookahead, sparse=lambda b: b[:2],
+                                                        announce=announce)):
+            if announce:  # this batch and the ones read ahead of it: lookahead + announce more, until the end
+                assert store["a"].announced == min(len(batches) - i, 1 + lookahead + announce)
+            loss_of(ebc(ids, offs), w).backward()
+        ebc.flush()
+        assert store["a"].announced == store["b"].announced == 0
+        hits.append(sum(store[n].stats()["dram"]["hits"] for n in ("a", "b")))
+        stores.append(store)
+    rows = np.arange(ROWS, dtype=np.int64)
+    for n in ("a", "b"):
+        np.testing.assert_array_equal(stores[0][n].read_with_state(rows)[0], stores[1][n].read_with_state(rows)[0])
+        np.testing.assert_array_equal(stores[0][n].read_with_state(rows)[1], stores[1][n].read_with_state(rows)[1])
+    assert hits[0] != hits[1]
+    for s in stores:
+        s.close()
+
+
+def test_a_pipeline_left_early_advances_past_what_it_announced(tmp_path) -> None:
+    store = cold_store(tmp_path / "s", "sgd")
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer="sgd")
+    batches = random_batches(4, 10, [ROWS, ROWS], batch=16, max_len=4, dim=DIM)
+    for i, (ids, offs, w) in enumerate(ebc.pipeline(batches, lookahead=1, sparse=lambda b: b[:2], announce=3)):
+        loss_of(ebc(ids, offs), w).backward()
+        if i == 2:
+            break
+    assert store["a"].announced == store["b"].announced == 0
+    with pytest.raises(InvalidInputError, match="announce must be an integer >= 0"):
+        next(ebc.pipeline(batches, announce=-1))
+    bad = [batches[0], ("not", "a batch", "pair")]
+    with pytest.raises(InvalidInputError, match="sparse part"):
+        for _ in ebc.pipeline(bad, announce=2):
+            pass
+    assert store["a"].announced == 0
     store.close()

@@ -69,9 +69,9 @@ class _Batch:
     retired: bool = False
 
 
-def _check_lookahead(k: Any) -> int:
+def _check_lookahead(k: Any, name: str = "lookahead") -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-        raise InvalidInputError(f"lookahead must be an integer >= 0, got {k!r}")
+        raise InvalidInputError(f"{name} must be an integer >= 0, got {k!r}")
     return int(k)
 
 
@@ -254,41 +254,77 @@ class TieredEmbeddingBagCollection(nn.Module):
         return batch
 
     def pipeline(self, batches: Iterable[Any], lookahead: int | None = None,
-                 sparse: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+                 sparse: Callable[[Any], Any] | None = None, announce: int = 0) -> Iterator[Any]:
         """Yield ``batches`` unchanged while the next ``lookahead`` ones are prefetched.
 
         ``sparse(batch)`` gives the part :meth:`forward` takes: an (ids, offsets)
-        pair or a KeyedJaggedBatch (default: the batch itself).
+        pair or a KeyedJaggedBatch (default: the batch itself). ``announce=A``
+        reads A batches further ahead and tells the tables' caches each one's
+        ids as it is read (``Table.announce``), so they keep the rows needed
+        soonest, as Belady's MIN does inside that window; each table advances
+        past a batch once the loop body that got it returns (and past every
+        batch not reached when the loop is left early). It changes which rows
+        stay cached in the store, never the numbers trained.
         """
         k = self.lookahead if lookahead is None else _check_lookahead(lookahead)
+        ahead = _check_lookahead(announce, "announce")
         get = sparse or (lambda b: b)
         it = iter(batches)
-        window: collections.deque[Any] = collections.deque()
+        told: collections.deque[tuple[Any, Any]] = collections.deque()  # read and announced, not prefetched
+        window: collections.deque[Any] = collections.deque()  # prefetched (or, with k = 0, next), not yielded
         queued: list[_Batch] = []  # what this pipeline prefetched
+        unadvanced = 0  # batches announced to the tables and not advanced past
 
-        def pull() -> bool:
+        def read() -> bool:
+            nonlocal unadvanced
             try:
                 b = next(it)
             except StopIteration:
                 return False
+            s = get(b) if k or ahead else None
+            if s is not None and not isinstance(s, KeyedJaggedBatch) and not (isinstance(s, (tuple, list))
+                                                                              and len(s) == 2):
+                raise InvalidInputError("pipeline: the sparse part of a batch must be an (ids, offsets) pair or a "
+                                        f"KeyedJaggedBatch (pass sparse=...), got {type(s).__name__}")
+            if ahead:
+                ids, _ = normalize(self.table_names, *((s,) if isinstance(s, KeyedJaggedBatch) else s))
+                for table, t_ids in zip(self.tables, ids):
+                    table.announce(t_ids)
+                unadvanced += 1
+            told.append((b, s))
+            return True
+
+        def pull() -> bool:
+            """Top the windows up: A batches announced beyond the k prefetched, beyond the one yielded next."""
+            while len(told) + len(window) < k + 1 + ahead and read():
+                pass
+            if not told or len(window) >= k + 1:
+                return False
+            b, s = told.popleft()
             if k:
-                s = get(b)
-                if not isinstance(s, KeyedJaggedBatch) and not (isinstance(s, (tuple, list)) and len(s) == 2):
-                    raise InvalidInputError("pipeline: the sparse part of a batch must be an (ids, offsets) pair or a "
-                                            f"KeyedJaggedBatch (pass sparse=...), got {type(s).__name__}")
                 queued[:] = [q for q in queued if not q.retired]  # forwarded and stepped: done with
                 queued.append(self._prefetch(s) if isinstance(s, KeyedJaggedBatch) else self._prefetch(*s))
             window.append(b)
             return True
 
         try:
-            while len(window) < k + 1 and pull():
+            while pull():
                 pass
             while window:
                 yield window.popleft()
-                pull()
+                if ahead:
+                    self._advance_tables()
+                    unadvanced -= 1
+                while pull():
+                    pass
         finally:  # a loop left early (break, an exception) must not leave its look-ahead pinned in the queue
             self._drop_prefetched(queued)
+            for _ in range(unadvanced):  # nor its announcements pending in the tables
+                self._advance_tables()
+
+    def _advance_tables(self) -> None:
+        for table in self.tables:
+            table.advance()
 
     def flush(self) -> None:
         """Write every dirty working-set row (with its state) back and make the tables durable."""

@@ -10,8 +10,15 @@ trace with temporal locality: each batch, every rank of a table's popularity
 ranking passes to a newcomer with probability R (``embstore.tracegen``); the
 default 0 is a fixed ranking.
 
-Two reference points follow the store's policies (they are not policies the
-store can run, and do not count as "best"):
+The store's policies are then run again told each batch and the K after it
+before it is read (``Table.announce``, what a training pipeline with
+``announce=K`` does: ``embstore.lookahead``): inside that window they rank rows
+as MIN does, outside it by their own policy. These are store policies, but not
+online ones (they know K batches of the future), so they are reported apart
+from "best".
+
+Reference points follow (they are not policies the store can run, and do not
+count as "best"):
 
 - ``exact-lfu``: an online LFU that remembers the exact count of every row ever
   seen (unbounded memory): a row enters at its count, the victim is the least
@@ -184,6 +191,8 @@ def lookahead_hits(keys, offsets, nxt, num_keys, max_count, capacity, ahead):  #
 
 
 AHEAD = (1, 4, 16, 32)
+ANNOUNCE = (4, 16, 32)  # batches the store policies are told ahead
+ANNOUNCED_POLICIES = ("lru+tinylfu", "lfu+tinylfu")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -218,6 +227,16 @@ def main(argv: list[str] | None = None) -> dict:
     best = [max(out["policies"][p]["share_of_belady"][i] for p in POLICIES) for i in range(len(caps))]
     out["best_share_of_belady"] = best
     print("best share of MIN: " + ", ".join(f"{100 * b:.1f}%" for b in best) + "  (goal >= 95%)")
+    print("store policies told each batch and the K after it (Table.announce; a training pipeline's window):")
+    out["announced"] = {}
+    for ahead in ANNOUNCE:
+        for pol in ANNOUNCED_POLICIES:
+            row(f"{pol} K={ahead}", miss_ratio_curve(keys, off, caps, pol, dedup=False, announce=ahead),
+                out["announced"])
+        share_k = [max(out["announced"][f"{p} K={ahead}"]["share_of_belady"][i] for p in ANNOUNCED_POLICIES)
+                   for i in range(len(caps))]
+        out[f"best_share_announced_{ahead}"] = share_k
+        print(f"best share of MIN told {ahead} batches ahead: " + ", ".join(f"{100 * b:.1f}%" for b in share_k))
     print("reference points (not store policies; see module doc):")
     k = int(keys.max()) + 1 if keys.size else 0
     counts = np.bincount(keys, minlength=k)
