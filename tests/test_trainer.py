@@ -141,6 +141,7 @@ def test_existing_store_needs_resume(tmp_path):
     (('batch_size = 256', 'batch_size = true'), "data.batch_size"),
     (('num_embeddings = 1000', 'num_embeddings = 0'), "table.num_embeddings"),
     (('lookahead = 2', 'lookahead = -1'), "schedule.lookahead"),
+    (('lookahead = 2', 'lookahead = 2\nannounce = -3'), "schedule.announce"),
     (('seed = 3', 'seed = -1'), "schedule.seed"),
     (('bag_max = 2', 'bag_max = 2\nzipf_alpha = nan'), "data.zipf_alpha"),
     (('bag_max = 2', 'bag_max = 2\nsignal = inf'), "data.signal"),
@@ -160,6 +161,18 @@ def test_config_errors_name_the_key(tmp_path, edit, key):
     with pytest.raises(ConfigError) as err:
         TrainConfig.from_toml(p)
     assert err.value.key == key
+
+
+def test_announcing_batches_to_the_store_trains_the_same_numbers(tmp_path):
+    """schedule.announce tells the 8 KiB caches batches 3 beyond the look-ahead: only which rows stay cached
+    changes, so the losses are those of a run told nothing, step for step."""
+    plain = train(load(tmp_path, batches=30, eval_every=10), tmp_path / "plain", progress=False)
+    p = tmp_path / "told.toml"
+    p.write_text(config_text(batches=30, eval_every=10).replace("lookahead = 2", "lookahead = 2\nannounce = 3"))
+    cfg = TrainConfig.from_toml(p)
+    assert cfg.schedule.announce == 3
+    told = train(cfg, tmp_path / "told", progress=False)
+    assert told.losses == plain.losses and len(told.losses) == 30
 
 
 def test_hashed_table_takes_any_id_space(tmp_path):

@@ -156,13 +156,13 @@ class ShardedEmbeddingBags(nn.Module):
         self.inner.prefetch(*self.shard(ids, offsets))
 
     def pipeline(self, batches: Iterable[Any], lookahead: int | None = None,
-                 sparse: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+                 sparse: Callable[[Any], Any] | None = None, announce: int = 0) -> Iterator[Any]:
         get = sparse or (lambda b: b)
 
         def local(b: Any) -> Any:
             s = get(b)
             return self.shard(s) if not isinstance(s, tuple) else self.shard(*s)
-        return self.inner.pipeline(batches, lookahead, sparse=local)
+        return self.inner.pipeline(batches, lookahead, sparse=local, announce=announce)
 
     def flush(self) -> None:
         self.inner.flush()

@@ -5,7 +5,7 @@ One TOML holds everything (see ``examples/train_synthetic.toml``)::
     [data]      kind = "synthetic" | "criteo", batch_size, synthetic knobs or criteo paths
     [model]     dense_arch = [64, 16], over_arch = [64, 32, 1], interaction, optimizers
     [store]     path (default OUT/store), defaults = { dim, dtype, tiers, ... }, [[store.table]] entries
-    [schedule]  epochs | steps, eval_every, checkpoint_every, lookahead, dense_lr, sparse_lr, seed
+    [schedule]  epochs | steps, eval_every, checkpoint_every, lookahead, announce, dense_lr, sparse_lr, seed
 
 Training is segmented at evaluation and checkpoint steps: each segment runs
 through the EBC's look-ahead pipeline, which drains at the segment's end, so an
@@ -217,13 +217,14 @@ class ScheduleConfig:
     checkpoint_every: int = 0  # 0: only at the end
     checkpoint_store: str = "copy"  # "copy" | "in_place"
     lookahead: int = 2
+    announce: int = 0  # batches beyond the look-ahead told to the tables' caches (Table.announce)
     dense_lr: float = 0.01
     sparse_lr: float = 0.05
     seed: int = 0
 
     def __post_init__(self) -> None:
         _positive("schedule", epochs=self.epochs)
-        for key in ("steps", "eval_every", "checkpoint_every", "lookahead", "seed"):
+        for key in ("steps", "eval_every", "checkpoint_every", "lookahead", "announce", "seed"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"schedule.{key}", f"must be >= 0, got {getattr(self, key)}")
         if self.checkpoint_store not in ("copy", "in_place"):
@@ -655,7 +656,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
                 end = min(end, stop_at)
             segment = _take(stream, end - result.step)
             n_before = result.step
-            for batch in ebc.pipeline(segment, sparse=ClickBatch.sparse):
+            for batch in ebc.pipeline(segment, sparse=ClickBatch.sparse, announce=sched.announce):
                 dense, labels = local_part(batch, ctx)
                 logits = model(dense, batch.ids, batch.offsets)
                 loss = F.binary_cross_entropy_with_logits(logits, labels)
