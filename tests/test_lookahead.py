@@ -23,6 +23,7 @@ from embstore.table import MAX_ANNOUNCED
 from embstore.traces import dense_keys, save
 
 from cache_refs import AnnouncedReference, optimum_with_bypass
+from cached_stores import DIM, RB, cached_store
 
 POLICIES = ["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu"]
 
@@ -171,15 +172,6 @@ def test_simulate_refuses_mismatched_announcements() -> None:
         miss_ratio_curve(keys, np.array([0, 4]), [1, 2], "lru", announce=True)
 
 
-DIM = 8
-RB = 4 * DIM
-
-
-def _store(path, names, levels, num=600):
-    tabs = tuple(TableConfig(name=n, num_embeddings=num, dim=DIM,
-                             tiers=tuple(TierConfig("dram", c * RB, p) for p, c in levels) + (TierConfig("mmap"),))
-                 for n in names)
-    return embstore.create(path, StoreConfig(tabs))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -196,7 +188,7 @@ def test_a_store_told_batches_counts_the_simulators_hits(tmp_path, policy) -> No
         lo, hi = tr.batch_offsets[b], tr.batch_offsets[b + 1]
         return tr.ids[lo:hi][tr.table[lo:hi] == t]
 
-    with _store(tmp_path / "s", tr.table_names, levels) as store:
+    with cached_store(tmp_path / "s", tr.table_names, levels) as store:
         told = 0
         for b in range(tr.num_batches):
             while told <= b + ahead and told < tr.num_batches:

@@ -6,24 +6,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import embstore
 from embstore import tracegen
 from embstore.belady import belady_hits, dedup_batches
-from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.errors import InvalidInputError
 from embstore.recorder import record
 from embstore.simulator import demand_misses, miss_ratio_curve, replay_keys, replay_trace, window_unique
 from embstore.traces import Trace, load
 
-DIM = 8
-RB = 4 * DIM
-
-
-def _store(path, names, levels, num=600):
-    tabs = tuple(TableConfig(name=n, num_embeddings=num, dim=DIM,
-                             tiers=tuple(TierConfig("dram", c * RB, p) for p, c in levels) + (TierConfig("mmap"),))
-                 for n in names)
-    return embstore.create(path, StoreConfig(tabs))
+from cached_stores import RB, cached_store
 
 
 def _drive(store, trace):
@@ -40,7 +30,7 @@ def test_simulator_matches_store(tmp_path, policy):
     tr = tracegen.generate(zipf_alpha=0.9, batches=12, batch_size=120, tables=2, ids=600, seed=3)
     levels = [(policy, 40), ("lru", 150)]
     sim = replay_trace(tr, levels, per_table=True, row_bytes=RB)
-    with _store(tmp_path / "s", tr.table_names, levels) as store:
+    with cached_store(tmp_path / "s", tr.table_names, levels) as store:
         _drive(store, tr)
         for n in tr.table_names:
             s = store[n].stats()
@@ -124,7 +114,7 @@ def test_recorder_trace_replays_to_store_counts(tmp_path):
     tr = tracegen.generate(zipf_alpha=1.1, batches=8, batch_size=100, tables=2, ids=600, seed=5)
     levels = [("lfu", 50)]
     path = tmp_path / "rec.npz"
-    with _store(tmp_path / "s", tr.table_names, levels) as store:
+    with cached_store(tmp_path / "s", tr.table_names, levels) as store:
         with record(store, path):
             _drive(store, tr)
         store["table_0"].lookup(np.arange(5))  # after the block: not recorded

@@ -6,7 +6,10 @@
 Three runs on the same Zipf(1.05) batches, rowwise Adagrad:
 - resident: a DRAM tier holding every row over an mmap home (the baseline);
 - oversized, no look-ahead: a DRAM cache of 10% of the rows over an ssd home;
-- oversized, look-ahead k: the same, through ``ebc.pipeline(batches, lookahead=k)``.
+- oversized, look-ahead k: the same, through ``ebc.pipeline(batches, lookahead=k)``;
+- with ``--announce A``, a fourth run: look-ahead k that also tells the caches
+  each batch A batches beyond the window (``pipeline(..., announce=A)``), so the
+  DRAM caches keep the rows needed soonest; compared by ssd page reads per step.
 Figures: samples/s of each oversized run / the resident run (goal >= 0.7x for
 look-ahead) and the forwards' demand misses (rows not in the working set when
 the batch's forward started) with and without look-ahead.
@@ -44,8 +47,14 @@ def home_io(ebc: TieredEmbeddingBagCollection) -> np.ndarray:
     return total
 
 
+def _hit_ratio(ebc: TieredEmbeddingBagCollection) -> float:
+    """Hits / accesses of the tables' DRAM caches over the whole run."""
+    hits = sum(t.stats()["dram"]["hits"] for t in ebc.tables)
+    return hits / max(1, hits + sum(t.stats()["dram"]["misses"] for t in ebc.tables))
+
+
 def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, batches, weights, k: int | None,
-        imported: bool = True) -> dict:
+        imported: bool = True, announce: int = 0) -> dict:
     store = embstore.create(path, StoreConfig(tuple(TableConfig(f"t{i}", rows, D, tiers=tiers) for i in range(T))))
     ebc = TieredEmbeddingBagCollection(store, [f"t{i}" for i in range(T)], optimizer="rowwise_adagrad", lr=0.01)
     if imported:  # every row written (as after `embstore import`): misses now read real rows from the home
@@ -54,7 +63,7 @@ def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, bat
     offs = batches[0][1]
     warm = WARM_STEPS
     t0, misses0 = 0.0, 0
-    it = batches if k is None else ebc.pipeline(batches, lookahead=k, sparse=lambda b: b)
+    it = batches if k is None else ebc.pipeline(batches, lookahead=k, sparse=lambda b: b, announce=announce)
     io0 = np.zeros(2)
     for i, (ids, o) in enumerate(it):
         if i == warm:
@@ -69,7 +78,8 @@ def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, bat
     res = {"samples_per_s": (len(batches) - warm) * (len(offs[0]) - 1) / dt,
            "demand_misses": ebc.counters["demand_misses"] - misses0, "late_rows": ebc.counters["late_rows"],
            "stall_s": ebc.counters["stall_s"], "ssd_page_reads_per_step": reads, "ssd_page_writes_per_step": writes,
-           "step_s": dt / (len(batches) - warm)}
+           "step_s": dt / (len(batches) - warm),
+           "dram_hit_ratio": _hit_ratio(ebc)}
     ebc.release()
     store.close()
     return res
@@ -81,6 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=positive_int, default=None,
                     help=f"steps per run, the first {WARM_STEPS} untimed (default 12, quick 8)")
     ap.add_argument("--lookahead", type=nonneg_int, default=3, help="batches the look-ahead run prefetches")
+    ap.add_argument("--announce", type=nonneg_int, default=0, metavar="A",
+                    help="also run look-ahead k telling the caches batches A beyond it (default 0: no such run)")
     ap.add_argument("--cold", action="store_true",
                     help="start from fresh tables (rows at their initial values, nothing on disk yet) instead of "
                          "tables whose every row was imported")
@@ -104,6 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
         out["resident"] = run(f"{tmp}/r", full, T, rows, D, batches, weights, None, not args.cold)
         out["oversized_k0"] = run(f"{tmp}/o0", small, T, rows, D, batches, weights, None, not args.cold)
         out["oversized_k"] = run(f"{tmp}/ok", small, T, rows, D, batches, weights, args.lookahead, not args.cold)
+        if args.announce:
+            out["oversized_told"] = run(f"{tmp}/ot", small, T, rows, D, batches, weights, args.lookahead,
+                                        not args.cold, args.announce)
     base = out["resident"]["samples_per_s"]
     out["ratio_k0"] = out["oversized_k0"]["samples_per_s"] / base
     out["ratio_k"] = out["oversized_k"]["samples_per_s"] / base
@@ -119,6 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  ssd home per step (look-ahead run): {ok['ssd_page_reads_per_step']:.0f} page reads + "
           f"{ok['ssd_page_writes_per_step']:.0f} page writes in {1e3 * ok['step_s']:.0f} ms = "
           f"{ios / ok['step_s'] / 1e3:.1f} k IOPS; the resident step takes {1e3 * out['resident']['step_s']:.0f} ms")
+    if args.announce:
+        told = out["oversized_told"]
+        out["ratio_told"] = told["samples_per_s"] / base
+        print(f"  10x, lookahead {args.lookahead}, announce {args.announce}  {told['samples_per_s']:10.0f} samples/s  "
+              f"{out['ratio_told']:.2f}x; DRAM hit ratio {100 * told['dram_hit_ratio']:.1f}% (told nothing: "
+              f"{100 * ok['dram_hit_ratio']:.1f}%); ssd page reads per step {told['ssd_page_reads_per_step']:.0f} "
+              f"({told['ssd_page_reads_per_step'] / max(1.0, ok['ssd_page_reads_per_step']):.2f}x)")
     return out
 
 
