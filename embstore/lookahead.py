@@ -9,21 +9,25 @@ directory is in is the oldest one not yet advanced past (its *clock*).
 
 With announcements a directory ranks its rows as Belady's MIN does inside the
 window it was told about, and by its own policy outside it
-(``embstore.policies``): a resident row with an announced use waits in a max-heap
-keyed by that use's seq (the victim is the row needed last), a row without one
-stays in the base policy's list and leaves before any row with one. A missed
-row needed later than every resident (or never, in the window) bypasses the
-cache once every resident has an announced use. With no announcement a
-directory behaves exactly as its base policy.
+(``embstore.policies``). A resident row with an announced use waits in a
+max-heap keyed by that use's occurrence id: its position in everything
+announced, batch by batch and, within a batch, in the order its keys were
+given (so announce a batch in the order it will be read). The victim is the
+row needed last. A row without an announced use stays in the base policy's
+list and leaves before any row with one. A missed row needed later than every
+resident (or never, in the window) bypasses the cache once every resident has
+an announced use. With no announcement a directory behaves exactly as its
+base policy.
 
-Memory, allocated on the first ``announce``: 16 bytes a slot (next use and saved
-frequency), a heap of 2 x capacity + 1 entries (16 bytes a slot; stale entries
-are skipped and the heap is rebuilt from the live ones when it fills), and per
-pending announced occurrence a ring entry (24 bytes: key, batch, next
-occurrence of the key) and up to two entries of a hash map from key to its
-first and last pending occurrence (48 bytes at load <= 1/2). Each record is one
-row of a 2-D array, so an access costs one cache line per structure, and the
-kernels prefetch the map entries of keys a few places ahead.
+Memory, allocated on the first ``announce``: 16 bytes a slot (next use and
+saved frequency), a heap of 2 x capacity + 1 entries (16 bytes a slot; stale
+entries are skipped and the heap is rebuilt from the live ones when it
+fills), and per pending announced occurrence a ring entry (32 bytes: key,
+batch, next occurrence of the key, the slot it last ranked) and up to two
+entries of a hash map from key to its first and last pending occurrence (48
+bytes at load <= 1/2). Each record is one row of a 2-D array, so an access
+costs one cache line per structure, and the kernels prefetch the map entries
+of keys a few places ahead.
 
 Layout: ``ah`` is a tuple of int64 arrays (indices below), handed to the
 numba kernels as one argument.
@@ -45,13 +49,14 @@ NUSE, SFREQ, HEAP, AMETA, AMAP, OCC = range(6)  # the arrays of ``ah``
 A_ON, A_HSIZE, A_CLOCK, A_NSEQ, A_NANN, A_NOCC, A_FIRST = range(7)  # AMETA: on, heap size, current batch,
 # next batch to announce, residents with an announced use, next occurrence id, first live occurrence id
 K_KEY, K_FIRST, K_LAST = range(3)  # AMAP columns: key (EMPTY: free entry), first pending and last occurrence
-O_KEY, O_SEQ, O_NEXT = range(3)  # OCC columns: key, batch, the key's next occurrence (-1: none yet)
+O_KEY, O_SEQ, O_NEXT, O_SLOT = range(4)  # OCC columns: key, batch, the key's next occurrence (-1: none yet),
+# and the slot of the resident row last ranked by this occurrence (a heap entry is an occurrence id)
 
 
 def idle_state() -> tuple:
     """The state of a directory nothing was announced to (A_ON = 0: every look-ahead branch is skipped)."""
     one = np.zeros(1, np.int64)
-    return (one, one, one, np.zeros(8, np.int64), np.full((1, 3), EMPTY, np.int64), np.zeros((1, 3), np.int64))
+    return (one, one, one, np.zeros(8, np.int64), np.full((1, 3), EMPTY, np.int64), np.zeros((1, 4), np.int64))
 
 
 def _pow2(n: int) -> int:
@@ -64,7 +69,7 @@ def start_state(capacity: int, occurrences: int) -> tuple:
     meta = np.zeros(8, np.int64)
     meta[A_ON] = 1
     return (np.full(capacity, INF, np.int64), np.zeros(capacity, np.int64), np.zeros(2 * capacity + 1, np.int64),
-            meta, np.full((2 * ring, 3), EMPTY, np.int64), np.zeros((ring, 3), np.int64))
+            meta, np.full((2 * ring, 3), EMPTY, np.int64), np.zeros((ring, 4), np.int64))
 
 
 def with_room(ah: tuple, more: int) -> tuple:
@@ -130,7 +135,8 @@ def _rehash(old, new):
 
 @numba.njit(cache=True, inline="always")
 def occ_add(ah, key, seq):
-    """Record that batch ``seq`` (the newest) uses ``key``; True when the key had no pending use before."""
+    """Record that batch ``seq`` (the newest) uses ``key``: the new occurrence's id when the key had no pending
+    use before (its first pending use now), else -1."""
     meta = ah[AMETA]
     occ = ah[OCC]
     amap = ah[AMAP]
@@ -144,16 +150,18 @@ def occ_add(ah, key, seq):
     if amap[i, K_KEY] == key:
         occ[amap[i, K_LAST] & mask, O_NEXT] = o
         amap[i, K_LAST] = o
-        return False
+        return np.int64(-1)
     amap[i, K_KEY] = key
     amap[i, K_FIRST] = o
     amap[i, K_LAST] = o
-    return True
+    return o
 
 
 @numba.njit(cache=True, inline="always")
 def occ_consume(ah, key, seq):
-    """Next use of ``key`` after batch ``seq``: its use in batch ``seq``, if announced and pending, is spent."""
+    """Next use of ``key`` after batch ``seq`` (its occurrence id: ids run in announcement order, batch by
+    batch and, within one, in the order its keys were given; INF: none); its use in batch ``seq``, if announced
+    and pending, is spent."""
     amap = ah[AMAP]
     i = map_find(amap, key)
     if amap[i, K_KEY] == EMPTY:
@@ -162,13 +170,13 @@ def occ_consume(ah, key, seq):
     mask = occ.shape[0] - 1
     h = amap[i, K_FIRST] & mask
     if occ[h, O_SEQ] != seq:
-        return occ[h, O_SEQ]
+        return amap[i, K_FIRST]
     n = occ[h, O_NEXT]
     if n < 0:
         _map_delete(amap, i)
         return INF
     amap[i, K_FIRST] = n
-    return occ[n & mask, O_SEQ]
+    return n
 
 
 @numba.njit(cache=True, inline="always")
@@ -181,19 +189,22 @@ def occ_pending_head(ah, key):
 
 @numba.njit(cache=True, inline="always")
 def rank_push(ah, s, nu, capacity, slot_key):
-    """Rank resident slot ``s`` by its next use ``nu`` (< INF) in the heap, rebuilding it from live entries
-    when full (a live entry: the slot holds a row and its ``NUSE`` is the entry's)."""
+    """Rank resident slot ``s`` by its next use, occurrence ``nu`` (< INF), in the heap, rebuilding it from
+    live entries when full (a live entry: an occurrence still in the ring whose slot holds a row with that
+    ``NUSE``)."""
     heap = ah[HEAP]
     meta = ah[AMETA]
     nuse = ah[NUSE]
+    occ = ah[OCC]
     nuse[s] = nu
+    occ[nu & (occ.shape[0] - 1), O_SLOT] = s
     if meta[A_HSIZE] == heap.shape[0]:
         size = 0
         for t in range(capacity):
             if slot_key[t] != EMPTY and nuse[t] != INF and t != s:
-                size = _heap_push(heap, size, nuse[t] * capacity + t)
+                size = _heap_push(heap, size, nuse[t])
         meta[A_HSIZE] = size
-    meta[A_HSIZE] = _heap_push(heap, meta[A_HSIZE], nu * capacity + s)
+    meta[A_HSIZE] = _heap_push(heap, meta[A_HSIZE], nu)
 
 
 @numba.njit(cache=True, inline="always")
@@ -202,11 +213,13 @@ def rank_top(ah, capacity, slot_key):
     heap = ah[HEAP]
     meta = ah[AMETA]
     nuse = ah[NUSE]
+    occ = ah[OCC]
     while True:
-        top = heap[0]
-        s = top % capacity
-        if slot_key[s] != EMPTY and nuse[s] == top // capacity:
-            return s
+        o = heap[0]
+        if o >= meta[A_FIRST]:  # older occurrences left the ring: stale
+            s = occ[o & (occ.shape[0] - 1), O_SLOT]
+            if slot_key[s] != EMPTY and nuse[s] == o:
+                return s
         _, size = _heap_pop(heap, meta[A_HSIZE])
         meta[A_HSIZE] = size
 

@@ -481,10 +481,11 @@ def _announce_kernel(keys, kind, capacity, ti, limit, shift, slot_key, prev, nxt
             map_prefetch(ah, keys[i + _INDEX_AHEAD])
             prefetch_at(ti, fp_home(fingerprint(keys[i + _INDEX_AHEAD]), ti.shape[0]))
         k = keys[i]
-        if occ_add(ah, k, seq):  # its first pending use: a resident row starts waiting for it
+        o = occ_add(ah, k, seq)
+        if o >= 0:  # its first pending use: a resident row starts waiting for it
             s = fidx_get(ti, slot_key, k, limit, shift)
             if s >= 0:
-                _announce_row(kind, s, seq, capacity, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
+                _announce_row(kind, s, o, capacity, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
                               ref, meta, ah)
     ah[AMETA][A_NSEQ] = seq + 1
 

@@ -13,7 +13,8 @@ class AnnouncedReference:
 
     Rows without an announced use are ranked by the base policy: LRU by the tick of their last hit or
     insertion, LFU by (frequency, tick); the victim is the smallest. Rows with one wait for it: the victim
-    among them is the largest (next use, slot). Slots come from a stack that hands out slot 0 first.
+    among them is the one used last, by the position of that use in everything announced (batch by batch,
+    each batch in the order given). Slots come from a stack that hands out slot 0 first.
     """
 
     def __init__(self, capacity: int, policy: str) -> None:
@@ -22,9 +23,10 @@ class AnnouncedReference:
         self.free = list(range(capacity - 1, -1, -1))
         self.slot: dict[int, int] = {}  # resident key -> slot
         self.base: dict[int, tuple[int, int]] = {}  # resident key without an announced use -> (freq, tick)
-        self.nuse: dict[int, int] = {}  # resident key with one -> the batch of its next use
+        self.nuse: dict[int, int] = {}  # resident key with one -> the position of its next use
         self.saved: dict[int, int] = {}  # ... and its frequency, for when it returns to the base policy
-        self.pending: dict[int, deque[int]] = {}  # key -> batches that use it, announced and not spent
+        self.pending: dict[int, deque[tuple[int, int]]] = {}  # key -> (batch, position) of its unspent uses
+        self.told = 0  # uses announced so far (the next one's position)
         self.batches: deque[list[int]] = deque()  # announced batches not advanced past
         self.tick = 0
         self.seq = 0  # next batch to announce
@@ -48,19 +50,20 @@ class AnnouncedReference:
 
     def _spend(self, k: int) -> int:
         q = self.pending.get(k)
-        if q and q[0] == self.clock:
+        if q and q[0][0] == self.clock:
             q.popleft()
         if not q:
             self.pending.pop(k, None)
             return INF
-        return q[0]
+        return q[0][1]
 
     def announce(self, keys: list[int]) -> None:
         for k in keys:
             q = self.pending.setdefault(k, deque())
-            q.append(self.seq)
+            q.append((self.seq, self.told))
             if len(q) == 1 and k in self.base:
-                self._wait(k, self.seq, self.base[k][0])
+                self._wait(k, self.told, self.base[k][0])
+            self.told += 1
         self.batches.append(list(keys))
         self.seq += 1
 
@@ -69,12 +72,24 @@ class AnnouncedReference:
             return False
         for k in self.batches.popleft():
             q = self.pending.get(k)
-            if q and q[0] == self.clock:
+            if q and q[0][0] == self.clock:
                 nu = self._spend(k)
                 if k in self.nuse:
                     self._rerank(k, nu, self.saved[k])
         self.clock += 1
         return True
+
+    def remove(self, keys: list[int]) -> list[int]:
+        """Drop resident ``keys`` (their announced uses stay pending); the slots they held, -1 where absent."""
+        out = []
+        for k in keys:
+            s = self.slot.pop(k, -1)
+            out.append(s)
+            if s >= 0:
+                self.base.pop(k, None)
+                self.nuse.pop(k, None)
+                self.free.append(s)
+        return out
 
     def access(self, keys: list[int]) -> tuple[list[int], list[bool], list[int]]:
         """(slot per key, -1 when bypassed or pushed out within the batch; hit per key; evicted keys)."""
@@ -97,7 +112,7 @@ class AnnouncedReference:
                 s = self.free.pop()
             else:
                 if len(self.nuse) >= self.capacity:
-                    v = max(self.nuse, key=lambda r: (self.nuse[r], self.slot[r]))
+                    v = max(self.nuse, key=self.nuse.__getitem__)
                     if nu >= self.nuse[v]:
                         slots.append(-1)
                         self.bypassed += 1
