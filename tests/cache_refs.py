@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+from hypothesis import strategies as st
+
+from embstore.policies import CacheDirectory
+
 INF = 1 << 62
+
+# directory operations: ("announce" | "access" | "remove", distinct keys) | ("advance", []); remove is what a
+# hierarchy does to a batch's inserts when a level below fails
+KEYS = st.lists(st.integers(0, 15), max_size=10, unique=True)
+OPS = st.lists(st.one_of(st.tuples(st.just("announce"), KEYS), st.tuples(st.just("access"), KEYS),
+                         st.tuples(st.just("advance"), st.just([])), st.tuples(st.just("remove"), KEYS)),
+               max_size=60)
 
 
 class AnnouncedReference:
@@ -89,7 +101,23 @@ class AnnouncedReference:
                 self.base.pop(k, None)
                 self.nuse.pop(k, None)
                 self.free.append(s)
+                self._freed(s)
         return out
+
+    # the base policy's part, which a subclass with another base policy replaces
+    def _hit(self, k: int, nu: int) -> None:
+        """A hit on resident ``k``, whose next announced use is now ``nu``."""
+        if k in self.nuse:
+            self.saved[k] += 1
+            self._rerank(k, nu, self.saved[k])
+        else:
+            self._to_base(k, self.base[k][0] + 1)
+
+    def _base_victim(self) -> int:
+        return min(self.base, key=self.base.__getitem__)
+
+    def _freed(self, s: int) -> None:
+        """Slot ``s`` lost its row (evicted or removed)."""
 
     def access(self, keys: list[int]) -> tuple[list[int], list[bool], list[int]]:
         """(slot per key, -1 when bypassed or pushed out within the batch; hit per key; evicted keys)."""
@@ -101,11 +129,7 @@ class AnnouncedReference:
             if k in self.slot:
                 slots.append(self.slot[k])
                 hits.append(True)
-                if k in self.nuse:
-                    self.saved[k] += 1
-                    self._rerank(k, nu, self.saved[k])
-                else:
-                    self._to_base(k, self.base[k][0] + 1)
+                self._hit(k, nu)
                 continue
             hits.append(False)
             if self.free:
@@ -119,9 +143,10 @@ class AnnouncedReference:
                         continue
                     del self.nuse[v]
                 else:
-                    v = min(self.base, key=self.base.__getitem__)
+                    v = self._base_victim()
                     del self.base[v]
                 s = self.slot.pop(v)
+                self._freed(s)
                 if v in inserted_at:
                     slots[inserted_at.pop(v)] = -1
                 else:
@@ -155,3 +180,24 @@ def optimum_with_bypass(keys: list[int], capacity: int) -> int:
                 nxt[state] = max(nxt.get(state, -1), h)
         best = nxt
     return max(best.values())
+
+
+def run_side_by_side(d: CacheDirectory, ref: AnnouncedReference, ops) -> None:
+    """Apply ``ops`` to a directory and a reference; every answer must match (slots, hits, evictions,
+    bypasses, removed slots, whether an advance had a batch to pass)."""
+    for op, keys in ops:
+        if op == "announce":
+            d.announce(np.array(keys, np.int64))
+            ref.announce(keys)
+        elif op == "advance":
+            assert d.advance() == ref.advance()
+        elif op == "remove":
+            assert d.remove(np.array(keys, np.int64)).tolist() == ref.remove(keys)
+        else:
+            r = d.access(np.array(keys, np.int64))
+            slots, hits, evicted = ref.access(keys)
+            assert r.slots.tolist() == slots, (op, keys)
+            assert r.hit.tolist() == hits
+            assert r.evicted_keys.tolist() == evicted
+            assert r.rejected == ref.bypassed
+    assert d.announced == len(ref.batches)

@@ -22,39 +22,15 @@ from embstore.simulator import miss_ratio_curve, replay_keys, replay_trace
 from embstore.table import MAX_ANNOUNCED
 from embstore.traces import dense_keys, save
 
-from cache_refs import AnnouncedReference, optimum_with_bypass
+from cache_refs import OPS, AnnouncedReference, optimum_with_bypass, run_side_by_side
 from cached_stores import DIM, RB, cached_store
 
 POLICIES = ["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu"]
 
-# an operation: ("announce", keys) | ("access", keys) | ("advance", []); keys distinct within an operation
-_keys = st.lists(st.integers(0, 15), max_size=10, unique=True)
-_ops = st.lists(st.one_of(st.tuples(st.just("announce"), _keys), st.tuples(st.just("access"), _keys),
-                          st.tuples(st.just("advance"), st.just([])), st.tuples(st.just("remove"), _keys)),
-                max_size=60)  # remove: what a hierarchy does to a batch's inserts when a level below fails
-
-
 @settings(max_examples=300, deadline=None)
-@given(_ops, st.integers(1, 8), st.sampled_from(["lru", "lfu"]))
+@given(OPS, st.integers(1, 8), st.sampled_from(["lru", "lfu"]))
 def test_a_directory_told_batches_matches_the_reference(ops, capacity, policy) -> None:
-    d = CacheDirectory(capacity, policy, key_limit=16)
-    ref = AnnouncedReference(capacity, policy)
-    for op, keys in ops:
-        if op == "announce":
-            d.announce(np.array(keys, np.int64))
-            ref.announce(keys)
-        elif op == "advance":
-            assert d.advance() == ref.advance()
-        elif op == "remove":
-            assert d.remove(np.array(keys, np.int64)).tolist() == ref.remove(keys)
-        else:
-            r = d.access(np.array(keys, np.int64))
-            slots, hits, evicted = ref.access(keys)
-            assert r.slots.tolist() == slots
-            assert r.hit.tolist() == hits
-            assert r.evicted_keys.tolist() == evicted
-            assert r.rejected == ref.bypassed
-    assert d.announced == len(ref.batches)
+    run_side_by_side(CacheDirectory(capacity, policy, key_limit=16), AnnouncedReference(capacity, policy), ops)
 
 
 def _resident(d: CacheDirectory) -> dict[int, int]:
@@ -63,7 +39,7 @@ def _resident(d: CacheDirectory) -> dict[int, int]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(_ops, st.integers(1, 8), st.sampled_from(POLICIES))
+@given(OPS, st.integers(1, 8), st.sampled_from(POLICIES))
 def test_every_policy_keeps_its_books_with_announcements(ops, capacity, policy) -> None:
     """Hits are rows held before the access; holdings change only by the batch's inserts and evictions;
     the rows waiting for an announced use are exactly the residents some pending batch uses, each ranked by

@@ -273,10 +273,9 @@ class TieredEmbeddingBagCollection(nn.Module):
         told: collections.deque[tuple[Any, Any]] = collections.deque()  # read and announced, not prefetched
         window: collections.deque[Any] = collections.deque()  # prefetched (or, with k = 0, next), not yielded
         queued: list[_Batch] = []  # what this pipeline prefetched
-        unadvanced = 0  # batches announced to the tables and not advanced past
+        unadvanced = [0] * len(self.tables)  # per table: batches it was told and not advanced past
 
         def read() -> bool:
-            nonlocal unadvanced
             try:
                 b = next(it)
             except StopIteration:
@@ -288,9 +287,9 @@ class TieredEmbeddingBagCollection(nn.Module):
                                         f"KeyedJaggedBatch (pass sparse=...), got {type(s).__name__}")
             if ahead:
                 ids, _ = normalize(self.table_names, *((s,) if isinstance(s, KeyedJaggedBatch) else s))
-                for table, t_ids in zip(self.tables, ids):
-                    table.announce(t_ids)
-                unadvanced += 1
+                for t, (table, t_ids) in enumerate(zip(self.tables, ids)):
+                    table.announce(t_ids)  # a later table refusing its ids leaves the earlier ones told: counted
+                    unadvanced[t] += 1
             told.append((b, s))
             return True
 
@@ -313,18 +312,16 @@ class TieredEmbeddingBagCollection(nn.Module):
             while window:
                 yield window.popleft()
                 if ahead:
-                    self._advance_tables()
-                    unadvanced -= 1
+                    for t, table in enumerate(self.tables):
+                        table.advance()
+                        unadvanced[t] -= 1
                 while pull():
                     pass
         finally:  # a loop left early (break, an exception) must not leave its look-ahead pinned in the queue
             self._drop_prefetched(queued)
-            for _ in range(unadvanced):  # nor its announcements pending in the tables
-                self._advance_tables()
-
-    def _advance_tables(self) -> None:
-        for table in self.tables:
-            table.advance()
+            for table, n in zip(self.tables, unadvanced):  # nor its announcements pending in the tables
+                for _ in range(n):
+                    table.advance()
 
     def flush(self) -> None:
         """Write every dirty working-set row (with its state) back and make the tables durable."""
