@@ -229,7 +229,7 @@ def _policy_victim(kind, capacity, bht, ref, meta, nuse, on):
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _announce_row(kind, s, nu, capacity, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah):
-    """Resident slot ``s``, ranked by its base policy so far, now has an announced use in batch ``nu``."""
+    """Resident slot ``s``, ranked by its base policy so far, now has an announced use: occurrence ``nu``."""
     if kind == LFU:
         ah[SFREQ][s] = bfreq[sbucket[s]]
     _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
@@ -248,6 +248,17 @@ def _rerank(kind, s, nu, freq, capacity, slot_key, prev, nxt, sbucket, bfreq, bh
     ah[NUSE][s] = INF
     ah[AMETA][A_NANN] -= 1
     _policy_insert(kind, s, freq, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _unrank(kind, s, on, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah):
+    """Resident slot ``s`` loses its row (evicted or removed): it leaves the heap's live entries, or its base
+    policy's list."""
+    if on and ah[NUSE][s] != INF:
+        ah[NUSE][s] = INF
+        ah[AMETA][A_NANN] -= 1
+    else:
+        _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -413,11 +424,7 @@ def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free,
                         continue
             old = slot_key[v]
             fidx_remove(ti, old, v, limit, shift)
-            if on and nuse[v] != INF:
-                nuse[v] = INF
-                ah[AMETA][A_NANN] -= 1
-            else:
-                _policy_remove(kind, v, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+            _unrank(kind, v, on, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah)
             p = slot_pos[v]  # where the victim was inserted; in this batch if that position missed into v
             if p < i and not out_hit[p] and out_slot[p] == v and keys[p] == old:
                 out_slot[p] = -1  # inserted earlier in this batch: it never lands
@@ -453,18 +460,13 @@ def _lookup_kernel(keys, ti, limit, shift, slot_key, out):
 def _remove_kernel(keys, kind, ti, limit, shift, slot_key, free, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
                    ref, meta, ah, out_slot):
     on = ah[AMETA][A_ON] != 0
-    nuse = ah[NUSE]
     for i in range(keys.shape[0]):
         s = fidx_get(ti, slot_key, keys[i], limit, shift)
         out_slot[i] = s
         if s < 0:
             continue
         fidx_remove(ti, keys[i], s, limit, shift)
-        if on and nuse[s] != INF:
-            nuse[s] = INF
-            ah[AMETA][A_NANN] -= 1
-        else:
-            _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
+        _unrank(kind, s, on, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah)
         slot_key[s] = EMPTY
         free[meta[M_NFREE]] = s
         meta[M_NFREE] += 1
