@@ -64,6 +64,7 @@ call used to pass ten arrays and their reference counts), 1.14-1.36x faster.
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass
 
 import numba
@@ -353,16 +354,16 @@ def _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta):
         b = nb
 
 
-@numba.njit(cache=True, nogil=True)
-def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos,
-                   prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
-                   out_slot, out_hit, ev_keys, ev_slots):
-    """Process ``keys`` in order. Returns (evicted, hits, rejected)."""
+@numba.njit(cache=True, nogil=True, inline="always")
+def _access_body(keys, kind, tiny, on, capacity, ti, limit, shift, slot_key, free, slot_pos,
+                 prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
+                 out_slot, out_hit, ev_keys, ev_slots):
+    """Process ``keys`` in order. Returns (evicted, hits, rejected). ``on``: announcements are allocated.
+    Inlined into each kernel, so a caller passing constants gets the other branches compiled away."""
     nev = 0
     nhit = 0
     nrej = 0
     freq = np.int64(1)
-    on = ah[AMETA][A_ON] != 0
     clock = ah[AMETA][A_CLOCK]
     nuse = ah[NUSE]
     size = ti.shape[0]
@@ -444,6 +445,15 @@ def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free,
         slot_pos[s] = i
         out_slot[i] = s
     return nev, nhit, nrej
+
+
+@numba.njit(cache=True, nogil=True)
+def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq,
+                   bht, bprev, bnext, bfree, ref, sk, meta, ah, out_slot, out_hit, ev_keys, ev_slots):
+    """The store's access loop: one kernel for every policy (see ``_simulate_online`` for why not more)."""
+    return _access_body(keys, kind, tiny, ah[AMETA][A_ON] != 0, capacity, ti, limit, shift, slot_key, free,
+                        slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah, out_slot,
+                        out_hit, ev_keys, ev_slots)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -677,10 +687,11 @@ class CacheDirectory:
         return np.flatnonzero(self.slot_key != EMPTY)
 
 
-@numba.njit(cache=True, nogil=True)
-def _simulate_kernel(keys, batch_offsets, ann_keys, ann_offsets, ahead, kind, tiny, capacity, ti, limit, shift,
-                     slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
-                     hit_out):
+@numba.njit(cache=True, nogil=True, inline="always")
+def _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, on, kind, tiny, capacity, ti, limit,
+                   shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk,
+                   meta, ah, hit_out):
+    """Every batch through ``_access_body``; ``on``: each batch is announced ``ahead`` batches early."""
     nb = batch_offsets.shape[0] - 1
     max_b = 0
     for b in range(nb):
@@ -691,20 +702,50 @@ def _simulate_kernel(keys, batch_offsets, ann_keys, ann_offsets, ahead, kind, ti
     total = 0
     told = 0  # batches announced so far
     for b in range(nb):
-        while ahead >= 0 and told <= b + ahead and told < nb:
+        while on and told <= b + ahead and told < nb:
             _announce_kernel(ann_keys[ann_offsets[told]:ann_offsets[told + 1]], kind, capacity, ti, limit, shift,
                              slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah)
             told += 1
         lo = batch_offsets[b]
         hi = batch_offsets[b + 1]
-        _, h, _ = _access_kernel(keys[lo:hi], kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos,
-                                 prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
-                                 out_slot[: hi - lo], hit_out[lo:hi], ev_keys, ev_slots)
-        if ahead >= 0:
+        _, h, _ = _access_body(keys[lo:hi], kind, tiny, on, capacity, ti, limit, shift, slot_key, free,
+                                slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
+                                out_slot[: hi - lo], hit_out[lo:hi], ev_keys, ev_slots)
+        if on:
             _advance_kernel(ann_offsets[b], ann_offsets[b + 1], kind, capacity, ti, limit, shift, slot_key, prev, nxt,
                             sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta, ah)
         total += h
     return total
+
+
+@numba.njit(cache=True, nogil=True)
+def _simulate_kernel(keys, batch_offsets, ann_keys, ann_offsets, ahead, kind, tiny, capacity, ti, limit, shift,
+                     slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
+                     hit_out):
+    """Any policy, batches announced ``ahead`` batches early (``ahead`` >= 0) or not."""
+    return _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, ahead >= 0, kind, tiny, capacity, ti,
+                          limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
+                          ref, sk, meta, ah, hit_out)
+
+
+@functools.cache
+def _simulate_online(kind: int, tiny: bool):  # type: ignore[no-untyped-def]
+    """``_simulate_body`` compiled for one policy told nothing ahead: the replays ``replay`` and ``tune`` run.
+
+    With the policy and the look-ahead switch constants instead of arguments, LLVM drops the other policies'
+    branches: LRU ran 1.8x and LFU 1.2x the accesses per second of ``_simulate_kernel`` (BENCHMARKS.md,
+    simulator). Each specialization compiles for ~15 s on first use (numba caches it on disk; its cache key
+    includes a closure's values), so the store's ``_access_kernel`` and announced replays stay generic: all
+    twelve combinations took 8.5 minutes to compile."""
+
+    @numba.njit(cache=True, nogil=True)
+    def kernel(keys, batch_offsets, capacity, ti, limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq,
+               bht, bprev, bnext, bfree, ref, sk, meta, ah, hit_out):
+        return _simulate_body(keys, batch_offsets, keys, batch_offsets, -1, False, kind, tiny, capacity, ti, limit,
+                              shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
+                              ref, sk, meta, ah, hit_out)
+
+    return kernel
 
 
 def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: PolicySpec | str = "lru", *,
@@ -736,7 +777,10 @@ def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: Policy
         window = ann_off[np.minimum(np.arange(len(ann_off)) + ahead + 1, len(ann_off) - 1)] - ann_off
         d._ah = start_state(d.capacity, int(window.max(initial=0)) + 1)
     hit = np.zeros(len(keys), np.bool_)
-    _simulate_kernel(keys, off, ann_keys, ann_off, ahead, d._kind, d.policy.tinylfu, d.capacity,
-                     d._index, d._limit, d._shift, d.slot_key, d._free, d._slot_pos, d._prev, d._nxt, d._sbucket,
-                     d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, d._ah, hit)
+    arrays = (d.capacity, d._index, d._limit, d._shift, d.slot_key, d._free, d._slot_pos, d._prev, d._nxt,
+              d._sbucket, d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, d._ah, hit)
+    if ahead < 0:
+        _simulate_online(d._kind, d.policy.tinylfu)(keys, off, *arrays)
+    else:
+        _simulate_kernel(keys, off, ann_keys, ann_off, ahead, d._kind, d.policy.tinylfu, *arrays)
     return hit
