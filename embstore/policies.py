@@ -722,8 +722,8 @@ def _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, on, kind, 
 def _simulate_kernel(keys, batch_offsets, ann_keys, ann_offsets, ahead, kind, tiny, capacity, ti, limit, shift,
                      slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
                      hit_out):
-    """Any policy, batches announced ``ahead`` batches early (``ahead`` >= 0) or not."""
-    return _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, ahead >= 0, kind, tiny, capacity, ti,
+    """Any policy, each batch announced ``ahead`` (>= 0) batches early; ``_simulate_online`` replays the rest."""
+    return _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, True, kind, tiny, capacity, ti,
                           limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
                           ref, sk, meta, ah, hit_out)
 
@@ -733,8 +733,8 @@ def _simulate_online(kind: int, tiny: bool):  # type: ignore[no-untyped-def]
     """``_simulate_body`` compiled for one policy told nothing ahead: the replays ``replay`` and ``tune`` run.
 
     With the policy and the look-ahead switch constants instead of arguments, LLVM drops the other policies'
-    branches: LRU ran 1.8x and LFU 1.2x the accesses per second of ``_simulate_kernel`` (BENCHMARKS.md,
-    simulator). Each specialization compiles for ~15 s on first use (numba caches it on disk; its cache key
+    branches: LRU ran 2.2-2.7x and LFU 1.2-1.7x the accesses per second of the generic kernel (BENCHMARKS.md,
+    simulator). Each specialization compiles for 15-25 s on first use (numba caches it on disk; its cache key
     includes a closure's values), so the store's ``_access_kernel`` and announced replays stay generic: all
     twelve combinations took 8.5 minutes to compile."""
 
