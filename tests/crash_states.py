@@ -13,6 +13,12 @@ from pathlib import Path
 import numpy as np
 
 
+def whole_lines(text: str) -> list[str]:
+    """The lines a killed child finished printing: SIGKILL can land between two of print's writes
+    (PYTHONUNBUFFERED makes each one a write), leaving a last line without its newline."""
+    return [line for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+
 def check_against_flushes(states_dir: Path, prefix: str, last_acknowledged: int, out: np.ndarray,
                           found: np.ndarray) -> None:
     """The present rows match a flush at or after the last acknowledged one (a later one may have been

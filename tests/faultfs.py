@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from crash_states import whole_lines
+
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -167,7 +169,7 @@ def kill_at_random_point(args: list[str], rnd: random.Random, first_round: int, 
         child.wait()                                         # lines already buffered in stdout
     assert child.returncode == -signal.SIGKILL, err
     # only whole lines: the kill may land in the middle of a print ("flushed 1" of "flushed 19")
-    events = [line.split() for line in lines + out.splitlines(keepends=True) if line.endswith("\n")]
+    events = [line.split() for line in lines + whole_lines(out)]
     flushed = [int(r) for what, r in events if what == "flushed"]
     started = [int(r) for what, r in events if what == "start"]
     assert started == list(range(len(started))), "the writer failed before the kill: " + err

@@ -25,6 +25,7 @@ import pytest
 import embstore
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.rows import initial_rows
+from crash_states import whole_lines
 from homes import home_tier
 
 ROWS, DIM, PER_STEP = 20_000, 16, 40
@@ -79,7 +80,7 @@ def run_trial(tmp: Path, home: str, rng: random.Random, logged: bool = False) ->
     time.sleep(rng.random() * 0.05)  # land the kill anywhere, mid-write or mid-flush
     os.kill(child.pid, signal.SIGKILL)
     rest, _ = child.communicate()
-    acks += [int(x) for x in rest.split()]
+    acks += [int(line) for line in whole_lines(rest)]
     assert acks, "the child never completed a flush"
     last_ack = acks[-1]
     with embstore.open(tmp / "s") as store:

@@ -32,7 +32,7 @@ from embstore.errors import (CorruptStoreError, DiskFullError, IdOutOfRangeError
 from embstore.tiers import io_engine, ssd
 from embstore.tiers.ssd import BITMAP_FILE, SLAB_FILE, SSDTier, _runs
 
-from crash_states import check_against_flushes
+from crash_states import check_against_flushes, whole_lines
 
 WIDTHS = [4, 68, 256, 1000, 5000]
 ENGINES = ["io_uring", "pread"]
@@ -734,7 +734,7 @@ def test_sigkill_keeps_flushed_rows(tmp_path: Path, engine: str, row_bytes: int)
         time.sleep(0.01 * (trial + 1))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        confirmed += [int(x) for x in proc.stdout.read().split()]
+        confirmed += [int(line) for line in whole_lines(proc.stdout.read())]
         proc.stdout.close()
         assert len(confirmed) >= target, "child died before flushing"
         tier = make(d, 400, row_bytes, engine)

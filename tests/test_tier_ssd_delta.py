@@ -22,7 +22,7 @@ from embstore.tiers import io_engine, ssd, ssd_log
 from embstore.tiers.delta import RECORD_HEADER, encode_record
 from embstore.tiers.ssd import BITMAP_DELTA_FILE, BITMAP_FILE, SSDTier
 from embstore.tiers.ssd_log import LOG_DELTA_FILE, LogSSDTier
-from crash_states import check_against_flushes
+from crash_states import check_against_flushes, whole_lines
 
 H = RECORD_HEADER
 
@@ -686,8 +686,8 @@ _CRASH_CHILD = textwrap.dedent("""
             np.save(f"{path}.tmp.npy", ver)  # what this flush is about to make durable
             os.replace(f"{path}.tmp.npy", f"{path}.state-{version}.npy")
             tier.flush()
-            print(version, os.path.getsize(f"{path}/present.delta") if os.path.exists(f"{path}/present.delta") else 0,
-                  flush=True)
+            size = os.path.getsize(f"{path}/present.delta") if os.path.exists(f"{path}/present.delta") else 0
+            print(f"{version} {size}", flush=True)
 """)
 
 
@@ -709,7 +709,7 @@ def test_sigkill_while_appending_records_keeps_flushed_rows(tmp_path: Path, tria
     time.sleep(0.005 * trial)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    acks += [[int(x) for x in line.split()] for line in proc.stdout.read().splitlines()]
+    acks += [[int(x) for x in line.split()] for line in whole_lines(proc.stdout.read())]
     proc.stdout.close()
     assert len(acks) >= 20, "the child died before flushing"
     assert sum(size > 0 for _, size in acks) > len(acks) // 2  # most commits were records

@@ -23,6 +23,7 @@ from embstore.tiers import io_engine, ssd, ssd_log
 from embstore.tiers.delta import RECORD_HEADER, encode_record
 from embstore.tiers.ssd import SSDTier
 from embstore.tiers.ssd_log import LogSSDTier
+from crash_states import whole_lines
 
 
 def rows_for(ids: np.ndarray, row_bytes: int, version: int) -> np.ndarray:
@@ -506,7 +507,7 @@ while True:
     tier.put(ids, rows_for(ids, {rb}, step))
     if step % 4 == 3:
         tier.flush()
-        print(step, tier.cleaned_blocks, flush=True)
+        print(f"{{step}} {{tier.cleaned_blocks}}", flush=True)
     step += 1
 """
 
@@ -529,7 +530,7 @@ def test_crash_while_overwriting_and_cleaning(tmp_path: Path, trial: int) -> Non
     time.sleep(rng.random() * 0.03)
     os.kill(child.pid, signal.SIGKILL)
     rest, _ = child.communicate()
-    acks += [[int(x) for x in line.split()] for line in rest.splitlines()]
+    acks += [[int(x) for x in line.split()] for line in whole_lines(rest)]
     assert acks, "the child never completed a flush"
     last, _ = acks[-1]
     if last >= 15:
