@@ -202,15 +202,15 @@ def _heap_pop(heap, size):  # pragma: no cover - numba
     return top, size
 
 
-@njit(cache=True)
-def _min_kernel(keys, nxt, capacity, num_keys, mask):  # pragma: no cover - numba
+@njit(cache=True, _nrt=False)
+def _min_kernel(keys, nxt, capacity, mask, resident, cur, heap):  # pragma: no cover - numba
     """One pass of MIN. The heap holds next-use stamps; a stamp ``t`` belongs to key
     ``keys[t]`` (or ``keys[t - n]`` for never-again stamps) and is live only while
-    that key is resident with ``cur[key] == t`` (lazy deletion of stale stamps)."""
+    that key is resident with ``cur[key] == t`` (lazy deletion of stale stamps).
+    ``resident`` (all False), ``cur`` (one per key) and ``heap`` (n + 1) come from
+    the caller: without allocation the kernel runs free of numba's reference
+    counting (``_nrt=False``, see ``embstore.policies``)."""
     n = keys.shape[0]
-    resident = np.zeros(num_keys, dtype=np.bool_)
-    cur = np.zeros(num_keys, dtype=np.int64)
-    heap = np.empty(n + 1, dtype=np.int64)
     size = 0
     used = 0
     hits = 0
@@ -235,6 +235,11 @@ def _min_kernel(keys, nxt, capacity, num_keys, mask):  # pragma: no cover - numb
     return hits
 
 
+def _min_scratch(n: int, num_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_min_kernel``'s working arrays for ``n`` accesses over ``num_keys`` keys."""
+    return np.zeros(num_keys, np.bool_), np.zeros(num_keys, np.int64), np.empty(n + 1, np.int64)
+
+
 def _check_capacity(capacity: int) -> int:
     if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, (int, np.integer)):
         raise InvalidInputError(f"capacity must be an integer number of rows, got {capacity!r}")
@@ -251,7 +256,7 @@ def belady_hit_mask(keys: npt.ArrayLike, capacity: int) -> Mask:
     mask = np.zeros(dense.size, dtype=np.bool_)
     if cap == 0 or dense.size == 0:
         return mask
-    _min_kernel(dense, next_use(dense), cap, num, mask)
+    _min_kernel(dense, next_use(dense), cap, mask, *_min_scratch(dense.size, num))
     return mask
 
 
@@ -281,5 +286,5 @@ def belady_mrc(keys: npt.ArrayLike, capacities: npt.ArrayLike) -> npt.NDArray[np
             out[j] = reaccesses
             continue
         mask[:] = False
-        out[j] = _min_kernel(dense, nxt, cap, num, mask)
+        out[j] = _min_kernel(dense, nxt, cap, mask, *_min_scratch(n, num))
     return out

@@ -108,7 +108,7 @@ def map_prefetch(ah, key):
     prefetch_cell(amap, _home(amap, key), 0)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, _nrt=False)  # called from embstore.policies' kernels, which run without NRT
 def _map_delete(amap, i):
     """Free entry ``i`` (backward-shift deletion: no tombstones)."""
     mask = amap.shape[0] - 1
@@ -120,17 +120,19 @@ def _map_delete(amap, i):
         h = _home(amap, amap[j, K_KEY])
         stays = (i < h <= j) if i <= j else (h > i or h <= j)
         if not stays:
-            amap[i, :] = amap[j, :]
+            for c in range(amap.shape[1]):  # not amap[i, :] = amap[j, :]: a row view needs numba's NRT
+                amap[i, c] = amap[j, c]
             i = j
     amap[i, K_KEY] = EMPTY
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)
 def _rehash(old, new):
     for i in range(old.shape[0]):
         if old[i, K_KEY] != EMPTY:
             j = map_find(new, old[i, K_KEY])
-            new[j, :] = old[i, :]
+            for c in range(old.shape[1]):
+                new[j, c] = old[i, c]
 
 
 @numba.njit(cache=True, inline="always")

@@ -59,6 +59,15 @@ The index is ``embstore.hash_index``'s ``fidx_*``; a tier holding its whole tabl
 uses ``embstore.direct_directory.DirectDirectory`` instead. Session 8
 (``BENCHMARKS.md``): the policy helpers are inlined into the access loop (each
 call used to pass ten arrays and their reference counts), 1.14-1.36x faster.
+Inlining alone left them: numba still increfs every array an inlined helper
+takes and decrefs it on each way out (the LFU hit path made ~20 out-of-line
+atomic ``NRT_incref``/``NRT_decref`` calls per access; its refcount pruning
+gives up on branchy code, numba issues #2345 and #2350). So every kernel here
+is compiled with ``_nrt=False``, the switch numba's developers point to there:
+no reference counting at all. That is safe because the kernels allocate
+nothing (scratch comes from the caller) and only borrow arrays the Python
+caller holds for the whole call; numba refuses to compile an allocation under
+it, so one added later fails loudly. Session 17: LFU replays ran 4-6x faster.
 """
 
 from __future__ import annotations
@@ -262,7 +271,7 @@ def _unrank(kind, s, on, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, re
         _policy_remove(kind, s, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, meta)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _halve_saved(ah, capacity):
     """The sketch aged: the saved LFU frequencies of rows waiting for an announced use halve too."""
     nuse = ah[NUSE]
@@ -316,7 +325,7 @@ def _sketch_add(sk, key, meta):
     return est >> 1, True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _sketch_estimate(sk, key):
     w = sk.shape[1]
     est = 255
@@ -325,7 +334,7 @@ def _sketch_estimate(sk, key):
     return est
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _lfu_halve(prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, meta):
     """Halve every bucket's frequency; buckets that meet merge (the lower old frequency's rows first)."""
     last = -1
@@ -447,7 +456,7 @@ def _access_body(keys, kind, tiny, on, capacity, ti, limit, shift, slot_key, fre
     return nev, nhit, nrej
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq,
                    bht, bprev, bnext, bfree, ref, sk, meta, ah, out_slot, out_hit, ev_keys, ev_slots):
     """The store's access loop: one kernel for every policy (see ``_simulate_online`` for why not more)."""
@@ -456,7 +465,7 @@ def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free,
                         out_hit, ev_keys, ev_slots)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _lookup_kernel(keys, ti, limit, shift, slot_key, out):
     size = ti.shape[0]
     n = keys.shape[0]
@@ -466,7 +475,7 @@ def _lookup_kernel(keys, ti, limit, shift, slot_key, out):
         out[i] = fidx_get(ti, slot_key, keys[i], limit, shift)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _remove_kernel(keys, kind, ti, limit, shift, slot_key, free, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
                    ref, meta, ah, out_slot):
     on = ah[AMETA][A_ON] != 0
@@ -482,7 +491,7 @@ def _remove_kernel(keys, kind, ti, limit, shift, slot_key, free, prev, nxt, sbuc
         meta[M_NFREE] += 1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _announce_kernel(keys, kind, capacity, ti, limit, shift, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext,
                      bfree, ref, meta, ah):
     """Batch ``A_NSEQ`` (the next one announced) uses the distinct ``keys``."""
@@ -502,7 +511,7 @@ def _announce_kernel(keys, kind, capacity, ti, limit, shift, slot_key, prev, nxt
     ah[AMETA][A_NSEQ] = seq + 1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _advance_kernel(lo, hi, kind, capacity, ti, limit, shift, slot_key, prev, nxt, sbucket, bfreq, bht, bprev, bnext,
                     bfree, ref, meta, ah):
     """Batch ``A_CLOCK`` (its occurrences ``[lo, hi)``) is over: the uses of it no access spent are dropped."""
@@ -690,15 +699,15 @@ class CacheDirectory:
 @numba.njit(cache=True, nogil=True, inline="always")
 def _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, on, kind, tiny, capacity, ti, limit,
                    shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk,
-                   meta, ah, hit_out):
-    """Every batch through ``_access_body``; ``on``: each batch is announced ``ahead`` batches early."""
+                   meta, ah, hit_out, scratch):
+    """Every batch through ``_access_body``; ``on``: each batch is announced ``ahead`` batches early.
+    ``scratch``: three rows as long as the longest batch, from the caller (no allocation in here; and one
+    argument, not three: CPython passes a call of 30 or more arguments as ``*args``, which numba cannot
+    inline)."""
     nb = batch_offsets.shape[0] - 1
-    max_b = 0
-    for b in range(nb):
-        max_b = max(max_b, batch_offsets[b + 1] - batch_offsets[b])
-    out_slot = np.empty(max_b, np.int64)
-    ev_keys = np.empty(max_b, np.int64)
-    ev_slots = np.empty(max_b, np.int64)
+    out_slot = scratch[0]
+    ev_keys = scratch[1]
+    ev_slots = scratch[2]
     total = 0
     told = 0  # batches announced so far
     for b in range(nb):
@@ -718,14 +727,14 @@ def _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, on, kind, 
     return total
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _simulate_kernel(keys, batch_offsets, ann_keys, ann_offsets, ahead, kind, tiny, capacity, ti, limit, shift,
                      slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
-                     hit_out):
+                     hit_out, scratch):
     """Any policy, each batch announced ``ahead`` (>= 0) batches early; ``_simulate_online`` replays the rest."""
     return _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, True, kind, tiny, capacity, ti,
                           limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
-                          ref, sk, meta, ah, hit_out)
+                          ref, sk, meta, ah, hit_out, scratch)
 
 
 @functools.cache
@@ -738,12 +747,12 @@ def _simulate_online(kind: int, tiny: bool):  # type: ignore[no-untyped-def]
     includes a closure's values), so the store's ``_access_kernel`` and announced replays stay generic: all
     twelve combinations took 8.5 minutes to compile."""
 
-    @numba.njit(cache=True, nogil=True)
+    @numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
     def kernel(keys, batch_offsets, capacity, ti, limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq,
-               bht, bprev, bnext, bfree, ref, sk, meta, ah, hit_out):
+               bht, bprev, bnext, bfree, ref, sk, meta, ah, hit_out, scratch):
         return _simulate_body(keys, batch_offsets, keys, batch_offsets, -1, False, kind, tiny, capacity, ti, limit,
                               shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
-                              ref, sk, meta, ah, hit_out)
+                              ref, sk, meta, ah, hit_out, scratch)
 
     return kernel
 
@@ -777,8 +786,10 @@ def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: Policy
         window = ann_off[np.minimum(np.arange(len(ann_off)) + ahead + 1, len(ann_off) - 1)] - ann_off
         d._ah = start_state(d.capacity, int(window.max(initial=0)) + 1)
     hit = np.zeros(len(keys), np.bool_)
+    longest = int(np.diff(off).max(initial=0))
     arrays = (d.capacity, d._index, d._limit, d._shift, d.slot_key, d._free, d._slot_pos, d._prev, d._nxt,
-              d._sbucket, d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, d._ah, hit)
+              d._sbucket, d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, d._ah, hit,
+              np.empty((3, longest), np.int64))
     if ahead < 0:
         _simulate_online(d._kind, d.policy.tinylfu)(keys, off, *arrays)
     else:

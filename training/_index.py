@@ -2,7 +2,9 @@
 
 Physical row ids can be as large as 2^62 (rocksdb homes), so a direct array is
 out; this reuses the store's linear-probing kernels (``embstore.policies``)
-and keeps the load factor <= 1/2 by rebuilding at twice the size.
+and keeps the load factor <= 1/2 by rebuilding at twice the size. The
+kernels run without numba's reference counting (``_nrt=False``: see
+``embstore.policies``), which otherwise cost atomic calls on every key.
 """
 
 from __future__ import annotations
@@ -13,19 +15,19 @@ import numpy as np
 from embstore.hash_index import EMPTY, idx_del, idx_get, idx_put
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)
 def _find(tk, tv, keys, out):
     for i in range(keys.shape[0]):
         out[i] = idx_get(tk, tv, keys[i])
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)
 def _put(tk, tv, keys, vals):
     for i in range(keys.shape[0]):
         idx_put(tk, tv, keys[i], vals[i])
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)
 def _delete(tk, tv, keys):
     for i in range(keys.shape[0]):
         idx_del(tk, tv, keys[i])
