@@ -67,13 +67,13 @@ is compiled with ``_nrt=False``, the switch numba's developers point to there:
 no reference counting at all. That is safe because the kernels allocate
 nothing (scratch comes from the caller) and only borrow arrays the Python
 caller holds for the whole call; numba refuses to compile an allocation under
-it, so one added later fails loudly. Session 17: LFU replays ran 4-6x faster.
+it, so one added later fails loudly. Session 17: LFU replays ran 3-4.6x faster,
+announced ones 2-3x, and compiling a kernel per policy stopped paying off.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 from dataclasses import dataclass
 
 import numba
@@ -459,7 +459,8 @@ def _access_body(keys, kind, tiny, on, capacity, ti, limit, shift, slot_key, fre
 @numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
 def _access_kernel(keys, kind, tiny, capacity, ti, limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq,
                    bht, bprev, bnext, bfree, ref, sk, meta, ah, out_slot, out_hit, ev_keys, ev_slots):
-    """The store's access loop: one kernel for every policy (see ``_simulate_online`` for why not more)."""
+    """The store's access loop: one kernel for every policy (the policy passed at run time costs nothing
+    measurable since the kernels run without reference counts; BENCHMARKS.md, simulator, session 17)."""
     return _access_body(keys, kind, tiny, ah[AMETA][A_ON] != 0, capacity, ti, limit, shift, slot_key, free,
                         slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah, out_slot,
                         out_hit, ev_keys, ev_slots)
@@ -731,30 +732,10 @@ def _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, on, kind, 
 def _simulate_kernel(keys, batch_offsets, ann_keys, ann_offsets, ahead, kind, tiny, capacity, ti, limit, shift,
                      slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree, ref, sk, meta, ah,
                      hit_out, scratch):
-    """Any policy, each batch announced ``ahead`` (>= 0) batches early; ``_simulate_online`` replays the rest."""
-    return _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, True, kind, tiny, capacity, ti,
+    """Any policy; ``ahead`` >= 0: each batch is announced that many batches early, -1: told nothing."""
+    return _simulate_body(keys, batch_offsets, ann_keys, ann_offsets, ahead, ahead >= 0, kind, tiny, capacity, ti,
                           limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
                           ref, sk, meta, ah, hit_out, scratch)
-
-
-@functools.cache
-def _simulate_online(kind: int, tiny: bool):  # type: ignore[no-untyped-def]
-    """``_simulate_body`` compiled for one policy told nothing ahead: the replays ``replay`` and ``tune`` run.
-
-    With the policy and the look-ahead switch constants instead of arguments, LLVM drops the other policies'
-    branches: LRU ran 2.2-2.7x and LFU 1.2-1.7x the accesses per second of the generic kernel (BENCHMARKS.md,
-    simulator). Each specialization compiles for 15-25 s on first use (numba caches it on disk; its cache key
-    includes a closure's values), so the store's ``_access_kernel`` and announced replays stay generic: all
-    twelve combinations took 8.5 minutes to compile."""
-
-    @numba.njit(cache=True, nogil=True, _nrt=False)  # no reference counts: see the module docstring
-    def kernel(keys, batch_offsets, capacity, ti, limit, shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq,
-               bht, bprev, bnext, bfree, ref, sk, meta, ah, hit_out, scratch):
-        return _simulate_body(keys, batch_offsets, keys, batch_offsets, -1, False, kind, tiny, capacity, ti, limit,
-                              shift, slot_key, free, slot_pos, prev, nxt, sbucket, bfreq, bht, bprev, bnext, bfree,
-                              ref, sk, meta, ah, hit_out, scratch)
-
-    return kernel
 
 
 def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: PolicySpec | str = "lru", *,
@@ -790,8 +771,5 @@ def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: Policy
     arrays = (d.capacity, d._index, d._limit, d._shift, d.slot_key, d._free, d._slot_pos, d._prev, d._nxt,
               d._sbucket, d._bfreq, d._bht, d._bprev, d._bnext, d._bfree, d._ref, d._sk, d._meta, d._ah, hit,
               np.empty((3, longest), np.int64))
-    if ahead < 0:
-        _simulate_online(d._kind, d.policy.tinylfu)(keys, off, *arrays)
-    else:
-        _simulate_kernel(keys, off, ann_keys, ann_off, ahead, d._kind, d.policy.tinylfu, *arrays)
+    _simulate_kernel(keys, off, ann_keys, ann_off, ahead, d._kind, d.policy.tinylfu, *arrays)
     return hit

@@ -182,10 +182,10 @@ def test_lookahead_and_capacity_beyond_int64_and_non_integer_keys():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=0, max_size=600), st.lists(st.integers(0, 700), max_size=12),
        st.sampled_from(["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu"]), st.integers(1, 12))
-def test_online_specializations_equal_the_store_kernel(keys, cuts, policy, capacity):
-    """``simulate`` without announcements runs a kernel compiled for its policy alone
-    (``policies._simulate_online``); every hit must equal a directory stepped batch by batch through the
-    store's one generic kernel, sketch ageing included (100 x capacity accesses)."""
+def test_online_replay_equals_the_store_kernel(keys, cuts, policy, capacity):
+    """``simulate`` without announcements runs the whole trace in one kernel (``_simulate_kernel``); every
+    hit must equal a directory stepped batch by batch through the store's own ``_access_kernel``, sketch
+    ageing included (100 x capacity accesses)."""
     from embstore.policies import CacheDirectory, simulate
 
     k, off = _keys_and_offsets(keys, cuts)
