@@ -25,7 +25,7 @@ from embstore.errors import InvalidInputError, InvalidRowsError, StoreClosedErro
 from embstore.hierarchy import Hierarchy
 from embstore.kernels import (gather_rows, kernel_threads, pool, pool_rows, rows_finite, unique_inverse,
                               unique_last)
-from embstore.tiers.cache import DRAMTier, MmapCacheTier
+from embstore.tiers.cache import DeviceTier, DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
 
 POOL_MODES = ("sum", "mean")
@@ -175,6 +175,53 @@ class Table:
         top.counters.bytes_read += n * top.row_bytes
         return top.slab.view(np.float32)
 
+    def device_tier(self) -> DeviceTier | None:
+        """The top tier when it is a direct-mapped device slab of the whole table in float32, else None:
+        lookups then gather and pool on the device, and training steps the rows in place there."""
+        top = self.hierarchy.caches[0] if self.hierarchy.caches else None
+        if (isinstance(top, DeviceTier) and isinstance(top.directory, DirectDirectory)
+                and self.format.dtype is RowDType.FLOAT32):
+            return top
+        return None
+
+    def _device_rows(self, ids: Any) -> tuple[Any, int, bool] | None:
+        """For a table held whole in a device tier: (the call's physical rows as an int64 tensor on the
+        device, how many ids, whether the caller gave torch) when every row is resident, having counted
+        the distinct rows in the tier's statistics; None otherwise (nothing counted, the caller takes
+        the validating path, which also raises every input error).
+
+        Ids already on the device stay there: the range check is one min/max read back and the
+        distinct count runs on the device (``DeviceTier.count_distinct``). Other ids are checked and
+        counted on the host as the DRAM path does, then copied over.
+        """
+        top = self.device_tier()
+        if top is None or self.recorder is not None or (self.mapper is not None and self.mapper.rows_per_id != 1):
+            return None
+        import torch
+
+        if (isinstance(ids, torch.Tensor) and ids.device == torch.device(top.device) and self.mapper is None
+                and ids.dtype == torch.int64 and ids.dim() == 1 and len(ids) and top.directory.full):
+            lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one read back
+            if lo < 0 or hi >= self.num_rows:
+                return None
+            idx = ids.detach()
+            n = top.count_distinct(idx)
+        else:
+            arr, as_torch = as_ids(ids)
+            rows = self.physical_rows(arr)
+            with kernel_threads(len(rows)) as threads:
+                n = top.directory.count_resident(rows, threads)
+            if n < 0:
+                return None
+            idx = torch.from_numpy(rows).to(top.device)
+        top.counters.hits += n
+        top.counters.bytes_read += n * top.row_bytes
+        return idx, len(idx), isinstance(ids, torch.Tensor)
+
+    def _device_out(self, out: Any, as_torch: bool) -> Any:
+        """A device lookup's result: the tensor itself for torch callers, else float32 numpy."""
+        return out if as_torch else out.cpu().numpy()
+
     def _out(self, arr: np.ndarray, as_torch: bool) -> Any:
         if not as_torch:
             return arr
@@ -185,6 +232,15 @@ class Table:
     # --- public API ----------------------------------------------------------------
     def lookup(self, ids: Any) -> Any:
         """Rows of ``ids``: shape (len(ids), dim), float32; numpy in -> numpy out, torch in -> torch out."""
+        with self._lock:
+            self._check_open()
+            dev = self._device_rows(ids)
+            if dev is not None:
+                idx, n, as_torch = dev
+                rows_f = self.device_tier().float_rows()
+                out = rows_f.index_select(0, idx)[:, :self.dim].contiguous()
+                self.lookups += n
+                return self._device_out(out, as_torch)
         arr, as_torch = as_ids(ids)
         with self._lock:
             self._check_open()
@@ -205,6 +261,10 @@ class Table:
         """Bags ``ids[offsets[b]:offsets[b+1]]`` pooled by ``mode`` ("sum" | "mean") -> (num_bags, dim)."""
         if mode not in POOL_MODES:
             raise InvalidInputError(f"mode must be one of {', '.join(POOL_MODES)}, got {mode!r}")
+        if self.device_tier() is not None:
+            out = self._device_pooled(ids, offsets, mode)
+            if out is not None:
+                return out
         arr, as_torch = as_ids(ids)
         offs = as_offsets(offsets, len(arr))
         with self._lock:
@@ -228,6 +288,32 @@ class Table:
                 out = pool(self._read_unique(uniq), inv, offs, mode)
             self.lookups += len(arr)
         return self._out(out, as_torch)
+
+    def _device_pooled(self, ids: Any, offsets: Any, mode: str) -> Any:
+        """``lookup_pooled`` on the device for a table held whole in a device tier, or None (nothing
+        counted) when the call must take the validating path. The offsets are checked on the host."""
+        import torch
+        import torch.nn.functional as F
+
+        num_ids = len(ids) if isinstance(ids, (np.ndarray, torch.Tensor)) and ids.ndim == 1 else None
+        if num_ids is None:
+            return None
+        offs = as_offsets(offsets, num_ids)
+        with self._lock:
+            self._check_open()
+            dev = self._device_rows(ids)
+            if dev is None:
+                return None
+            idx, n, as_torch = dev
+            rows_f = self.device_tier().float_rows()
+            offs_t = torch.from_numpy(offs[:-1].copy()).to(rows_f.device)
+            if rows_f.shape[1] == self.dim:
+                out = F.embedding_bag(idx, rows_f, offs_t, mode=mode)
+            else:  # rows + optimizer state: pool the unique rows' embeddings, not a copy of the strided slab
+                uniq, inv = torch.unique(idx, return_inverse=True)
+                out = F.embedding_bag(inv, rows_f.index_select(0, uniq)[:, :self.dim], offs_t, mode=mode)
+            self.lookups += n
+        return self._device_out(out, as_torch)
 
     def announce(self, ids: Any) -> None:
         """Tell the table's caches the ids a coming batch will read, before it reads them.

@@ -189,6 +189,24 @@ class DeviceTier(CacheTier):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._torch = torch
         self.slab = torch.zeros((self.slots, row_bytes), dtype=torch.uint8, device=self.device)
+        self._marks: torch.Tensor | None = None  # a flag per slot on the device, for distinct counts
+
+    def float_rows(self):  # -> torch.Tensor
+        """The slab as float32 rows, shape (slots, row_bytes // 4), on the device: a view, no copy
+        (the rows of a float32 table, and after them the optimizer state a trained table carries)."""
+        return self.slab.view(self._torch.float32)
+
+    def count_distinct(self, keys) -> int:  # keys: torch.Tensor of int64 slots on the device
+        """Distinct ``keys`` (in range, already checked), counted on the device: for the statistics of
+        lookups whose ids never leave it. One flag per slot, set then cleared (a byte per row of
+        device memory, allocated at the first such call)."""
+        t = self._torch
+        if self._marks is None:
+            self._marks = t.zeros(self.slots, dtype=t.bool, device=self.device)
+        self._marks[keys] = True
+        n = int(self._marks.sum())
+        self._marks[keys] = False
+        return n
 
     def read_slots(self, slots: np.ndarray) -> RowBytes:
         t = self._torch

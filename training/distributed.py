@@ -124,6 +124,11 @@ class ShardedEmbeddingBags(nn.Module):
         self.inner = TieredEmbeddingBagCollection(store, self.table_names, optimizer=optimizer, lr=lr,
                                                   lookahead=lookahead, **kwargs)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's bags come out (``TieredEmbeddingBagCollection.device``)."""
+        return self.inner.device
+
     def shard(self, ids: Any, offsets: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's part of a global batch: owned physical rows, bags kept (possibly empty)."""
         id_list, off_list = normalize(self.table_names, ids, offsets)

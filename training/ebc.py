@@ -168,7 +168,10 @@ class TieredEmbeddingBagCollection(nn.Module):
                                     f"{ {t.name: t.dim for t in self.tables} }")
         self.dim = dims.pop()
         self.ws = [make_working_set(t) for t in self.tables]
-        # float16 tables: the step refuses rows it would take beyond float16's range (see _apply)
+        # where forward's output lives: the accelerator when any table's rows are on one (the bags of host
+        # tables are copied over, as TorchRec does with tables offloaded to the CPU), else the CPU
+        self.device = next((ws.device for ws in self.ws if ws.device.type != "cpu"), torch.device("cpu"))
+        # float16 tables: the step refuses rows it would take beyond float16's range (see _step_table)
         self._row_limit = [FLOAT16_LIMIT if t.format.dtype is RowDType.FLOAT16 else None for t in self.tables]
         self._lock = threading.RLock()
         self._pending: dict[int, _Batch] = {}  # seq -> batch not retired yet (prefetched or forwarded)
@@ -232,7 +235,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             self._awaiting.append(batch)
         else:
             self._retire(batch)
-        return torch.stack(outs, dim=1)
+        return torch.stack([o.to(self.device) for o in outs], dim=1)
 
     def prefetch(self, ids: Any, offsets: Any = None) -> None:
         """Add a future batch to the look-ahead window; its rows are fetched in a background thread."""
@@ -544,7 +547,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                     raise RuntimeError("embstore: a second backward through the same forward")
                 grad = grad.to(torch.float32).contiguous()
                 check_finite_gradient(grad, self.table_names[t])
-                skipped = self._apply(batch, t, grad, bag_grad)
+                skipped = self._step_table(batch, t, grad, bag_grad)
                 ws.dirty[batch.slots[t]] = True
                 batch.stepped.add(t)
                 if len(batch.stepped) == len(self.tables):
@@ -555,7 +558,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                                          float16=self._row_limit[t] is not None)
         return step
 
-    def _apply(self, batch: _Batch, t: int, grad: torch.Tensor, bag_grad: bool) -> int:
+    def _step_table(self, batch: _Batch, t: int, grad: torch.Tensor, bag_grad: bool) -> int:
         """Step table ``t``'s rows of ``batch`` (caller holds the lock); returns how many rows were left
         as they were because their new row or state was not finite, or (a float16 table) a new row would
         not fit float16: written back, it would be refused at every later write-back and flush."""
@@ -575,9 +578,9 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def _optimizer_step(self, batch: _Batch, t: int, grad: torch.Tensor, bag_grad: bool,
                         limit: float | None) -> int:
-        """The step of ``_apply``: rows whose new values or state would not be finite keep theirs, and on an
+        """The step of ``_step_table``: rows whose new values or state would not be finite keep theirs, and on an
         accelerator also those with a new value of magnitude ``limit`` or more (the CPU kernels leave that
-        check to ``_apply``)."""
+        check to ``_step_table``)."""
         ws, o = self.ws[t], self.optim
         if ws.device.type == "cpu":
             gstep = self.steps + 1 if o.adam_step == "global" else 0

@@ -86,7 +86,7 @@ def check_finite_gradient(grad: torch.Tensor, table: str) -> None:
 def finite_rows(w: torch.Tensor, s: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """Mask of the rows whose new values ``w`` (n, d) and state ``s`` (n, state_dim) are all finite, and
     (``limit``: a float16 table's) whose values are all below ``limit`` in magnitude: the accelerator path
-    stores only these, as the CPU kernels (``_kernels._apply_row``) and ``ebc._apply`` do."""
+    stores only these, as the CPU kernels (``_kernels._apply_row``) and ``ebc._step_table`` do."""
     ok = torch.isfinite(w).all(dim=1) & torch.isfinite(s).all(dim=1)
     return ok if limit is None else ok & (w.abs() < limit).all(dim=1)
 

@@ -88,8 +88,11 @@ class TorchReference:
             self.eps = 1e-8 if eps is None else eps
             self.state = [{"m": torch.zeros_like(p), "v": torch.zeros_like(p),
                            "t": torch.zeros(p.shape[0], dtype=torch.float64)} for p in params]
-        elif optimizer == "rowwise_adagrad":
+        elif optimizer == "rowwise_adagrad" and _has_fbgemm():
             self.tbe = [_fbgemm_tbe(w, lr, 1e-8 if eps is None else eps, pooling) for w in weights]
+        elif optimizer == "rowwise_adagrad":  # where fbgemm is not installed (an accelerator machine's torch)
+            self.eps = 1e-8 if eps is None else eps
+            self.state = [{"g2": torch.zeros(p.shape[0], dtype=torch.float32)} for p in params]
         else:
             raise ValueError(optimizer)
 
@@ -104,9 +107,21 @@ class TorchReference:
         loss_of(out, weights).backward()
         if self.opt is not None:
             self.opt.step()
+        elif self.kind == "rowwise_adagrad":
+            self._rowwise_adagrad()
         else:
             self._row_adam()
         return out.detach()
+
+    def _rowwise_adagrad(self) -> None:
+        """fbgemm's EXACT_ROWWISE_ADAGRAD: one accumulator per row, of the mean squared gradient."""
+        with torch.no_grad():
+            for bag, st in zip(self.bags, self.state):
+                g = bag.weight.grad.coalesce()
+                rows, gv = g.indices()[0], g.values()
+                st["g2"][rows] += gv.square().mean(dim=1)
+                bag.weight[rows] -= self.lr * gv / (st["g2"][rows].sqrt() + self.eps)[:, None]
+                bag.weight.grad = None
 
     def _row_adam(self) -> None:
         b1, b2 = self.betas
@@ -127,6 +142,14 @@ class TorchReference:
         if self.tbe:
             return [t.split_embedding_weights()[0].detach().numpy().copy() for t in self.tbe]
         return [b.weight.detach().numpy().copy() for b in self.bags]
+
+
+def _has_fbgemm() -> bool:
+    try:
+        import fbgemm_gpu  # noqa: F401
+    except Exception:  # ImportError, or a build that does not load against this torch
+        return False
+    return True
 
 
 def _fbgemm_tbe(w: np.ndarray, lr: float, eps: float, pooling: str) -> Any:

@@ -380,8 +380,9 @@ def build_model(cfg: TrainConfig, store: embstore.Store, num_dense: int, ctx: Di
     ebc = (ShardedEmbeddingBags(store, cfg.store.tables, ctx, **kw) if ctx.enabled
            else TieredEmbeddingBagCollection(store, names, **kw))
     m = cfg.model
-    return DLRM(ebc, len(names), dim, num_dense, list(m.dense_arch), list(m.over_arch), m.interaction,
-                m.dcn_layers, m.dcn_low_rank)
+    model = DLRM(ebc, len(names), dim, num_dense, list(m.dense_arch), list(m.over_arch), m.interaction,
+                 m.dcn_layers, m.dcn_low_rank)
+    return model.to(ebc.device)  # the dense layers run where the bags come out (a GPU with a device tier)
 
 
 def model_spec(cfg: TrainConfig, num_dense: int) -> ModelSpec:
@@ -392,11 +393,12 @@ def model_spec(cfg: TrainConfig, num_dense: int) -> ModelSpec:
                      m.sparse_optimizer)
 
 
-def local_part(batch: ClickBatch, ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's dense features and labels of a global batch."""
+def local_part(batch: ClickBatch, ctx: DistContext,
+               device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's dense features and labels of a global batch, on the model's ``device``."""
     per = batch.size // ctx.world
     lo = ctx.rank * per
-    return batch.dense[lo:lo + per], batch.labels[lo:lo + per]
+    return batch.dense[lo:lo + per].to(device), batch.labels[lo:lo + per].to(device)
 
 
 @torch.no_grad()
@@ -405,7 +407,7 @@ def run_eval(model: DLRM, batches: Iterator[ClickBatch], ctx: DistContext) -> Ev
     model.eval()
     logits, labels = [], []
     for b in batches:
-        dense, y = local_part(b, ctx)
+        dense, y = local_part(b, ctx, model.sparse_arch.ebc.device)
         logits.append(model(dense, b.ids, b.offsets))
         labels.append(y)
     model.train()
@@ -420,7 +422,7 @@ def run_eval(model: DLRM, batches: Iterator[ClickBatch], ctx: DistContext) -> Ev
         dist.all_gather(zs, z)
         dist.all_gather(ys, y)
         z, y = torch.cat(zs), torch.cat(ys)
-    return evaluate(y.numpy(), z.numpy())
+    return evaluate(y.cpu().numpy(), z.cpu().numpy())
 
 
 def plot_curves(result: TrainResult, path: Path, smooth: int = 20) -> None:
@@ -657,7 +659,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
             segment = _take(stream, end - result.step)
             n_before = result.step
             for batch in ebc.pipeline(segment, sparse=ClickBatch.sparse, announce=sched.announce):
-                dense, labels = local_part(batch, ctx)
+                dense, labels = local_part(batch, ctx, ebc.device)
                 logits = model(dense, batch.ids, batch.offsets)
                 loss = F.binary_cross_entropy_with_logits(logits, labels)
                 opt.zero_grad(set_to_none=True)

@@ -173,25 +173,38 @@ class WorkingSet:
 
 
 class ResidentWorkingSet:
-    """The working set of a table whose top tier is a full-table float32 DRAM slab: that slab itself.
+    """The working set of a table whose top tier is a full-table float32 slab: that slab itself.
 
-    Rows and their optimizer state are trained in place in the DRAM tier's
-    memory (``rows``/``state`` are strided views of it) and marked dirty in the
-    tier's own dirty bits, so ``Table.flush`` writes them home; nothing is
-    copied out and back per step. A row not yet in DRAM is loaded through the
-    hierarchy (which puts it in the slab) by the batch that first claims it.
+    Rows and their optimizer state are trained in place in the tier's memory
+    (``rows``/``state`` are strided views of it) and marked dirty in the tier's
+    own dirty bits, so ``Table.flush`` writes them home; nothing is copied out
+    and back per step. A row not yet in the slab is loaded through the
+    hierarchy (which puts it there) by the batch that first claims it.
+
+    The slab is a DRAM tier's (host memory) or a device tier's (a torch tensor
+    on the accelerator: HBM-resident training, as fbgemm's TBE does when a
+    table fits; on a CPU-only machine that tensor is host memory too). On the
+    host ``flat`` is the slab as a numpy array, what the fused numba kernels
+    take; on an accelerator it is None and steps run as torch operations on
+    the views.
     """
 
-    def __init__(self, table: Table, tier) -> None:  # tier: a DRAMTier with a DirectDirectory
+    def __init__(self, table: Table, tier) -> None:  # tier: a DRAMTier or DeviceTier with a DirectDirectory
         self.table = table
         self.tier = tier
-        self.device = torch.device("cpu")
         self.dim = table.format.dim
         self.state_dim = table.format.state_dim
-        flat = tier.slab.view(np.float32)
-        self.flat = flat  # contiguous (rows, dim + state_dim): what the numba kernels take
-        self.rows = torch.from_numpy(flat[:, :self.dim])
-        self.state = torch.from_numpy(flat[:, self.dim:])
+        if isinstance(tier.slab, torch.Tensor):  # a device tier
+            rows_f = tier.float_rows()
+            self.device = rows_f.device
+            flat = rows_f.numpy() if self.device.type == "cpu" else None
+            self.rows, self.state = rows_f[:, :self.dim], rows_f[:, self.dim:]
+        else:
+            self.device = torch.device("cpu")
+            flat = tier.slab.view(np.float32)
+            self.rows = torch.from_numpy(flat[:, :self.dim])
+            self.state = torch.from_numpy(flat[:, self.dim:])
+        self.flat = flat  # contiguous (rows, dim + state_dim) in host memory: what the numba kernels take
         self.dirty = tier.dirty  # the tier's own write-back bits
 
     @property
@@ -224,6 +237,7 @@ class ResidentWorkingSet:
 
 
 def make_working_set(table: Table) -> WorkingSet | ResidentWorkingSet:
-    """Train in place when the table's top tier holds all of it in float32 DRAM, else a bounded working set."""
-    tier = table.full_dram_tier()
+    """Train in place when the table's top tier holds all of it in float32 (DRAM or device), else a bounded
+    working set."""
+    tier = table.full_dram_tier() or table.device_tier()
     return ResidentWorkingSet(table, tier) if tier is not None else WorkingSet(table)
