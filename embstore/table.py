@@ -29,6 +29,9 @@ from embstore.tiers.cache import DeviceTier, DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
 
 POOL_MODES = ("sum", "mean")
+# a device tier on a CPU-only machine: ids in host memory are counted by the numba pass (the per-row flag
+# tensor of the on-device count costs a sweep of the table per call there); tests turn it off to run that path
+COUNT_HOST_IDS_ON_HOST = True
 MAX_ANNOUNCED = 1024  # announced batches a table keeps pending: more means an advance() is missing
 
 
@@ -200,6 +203,7 @@ class Table:
         import torch
 
         if (isinstance(ids, torch.Tensor) and ids.device == torch.device(top.device) and self.mapper is None
+                and (ids.device.type != "cpu" or not COUNT_HOST_IDS_ON_HOST)
                 and ids.dtype == torch.int64 and ids.dim() == 1 and len(ids) and top.directory.full):
             lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one read back
             if lo < 0 or hi >= self.num_rows:
@@ -237,8 +241,7 @@ class Table:
             dev = self._device_rows(ids)
             if dev is not None:
                 idx, n, as_torch = dev
-                rows_f = self.device_tier().float_rows()
-                out = rows_f.index_select(0, idx)[:, :self.dim].contiguous()
+                out = self.device_tier().float_rows()[:, :self.dim].index_select(0, idx)
                 self.lookups += n
                 return self._device_out(out, as_torch)
         arr, as_torch = as_ids(ids)
