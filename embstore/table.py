@@ -193,8 +193,8 @@ class Table:
         the distinct rows in the tier's statistics; None otherwise (nothing counted, the caller takes
         the validating path, which also raises every input error).
 
-        Ids already on the device stay there: the range check is one min/max read back and the
-        distinct count runs on the device (``DeviceTier.count_distinct``). Other ids are checked and
+        Ids already on the device stay there: the range check and the distinct count run on the device
+        with one read back (``DeviceTier.count_distinct``). Other ids are checked and
         counted on the host as the DRAM path does, then copied over.
         """
         top = self.device_tier()
@@ -205,11 +205,10 @@ class Table:
         if (isinstance(ids, torch.Tensor) and ids.device == torch.device(top.device) and self.mapper is None
                 and (ids.device.type != "cpu" or not COUNT_HOST_IDS_ON_HOST)
                 and ids.dtype == torch.int64 and ids.dim() == 1 and len(ids) and top.directory.full):
-            lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one read back
-            if lo < 0 or hi >= self.num_rows:
-                return None
             idx = ids.detach()
-            n = top.count_distinct(idx)
+            n = top.count_distinct(idx, self.num_rows)  # -1 when an id is out of range
+            if n < 0:
+                return None
         else:
             arr, as_torch = as_ids(ids)
             rows = self.physical_rows(arr)

@@ -195,26 +195,83 @@ class _AcceleratorOnCpu(str):
     type = "accelerator"
 
 
-@pytest.mark.parametrize("optimizer,lr,pooling", OPTIMIZERS)
-def test_the_accelerator_step_writes_through_the_slab_views(tmp_path, optimizer, lr, pooling) -> None:
-    """On an accelerator a resident table is stepped by indexed assignment into strided views of the device
-    slab; on a CPU-only machine that path is forced here, so CI proves the writes land in the tier."""
+def on_fake_accelerator(ebc: TieredEmbeddingBagCollection) -> None:
+    """Make the module see its resident tables as on an accelerator (CPU-only machines only)."""
     if DEVICE != "cpu":
         pytest.skip("the GPU runs this path for real in test_training_in_place_on_the_device_equals_torch")
-    store = make_store(tmp_path / "s", [("a", ROWS, DIM)], DEVICE_HOME)
-    ref = TorchReference([initial_weights(store, "a")], optimizer, lr, pooling=pooling)
-    ebc = TieredEmbeddingBagCollection(store, ["a"], optimizer=optimizer, lr=lr, pooling=pooling, lookahead=1)
-    ws = ebc.ws[0]
-    assert isinstance(ws, ResidentWorkingSet)
-    ws.device, ws.flat = _AcceleratorOnCpu("cpu"), None
-    for ids, offs, w in ebc.pipeline(random_batches(3, 12, [ROWS], batch=8, max_len=4, dim=DIM, zipf=1.2),
-                                     sparse=lambda b: b[:2]):
+    for ws in ebc.ws:
+        assert isinstance(ws, ResidentWorkingSet)
+        ws.device, ws.flat = _AcceleratorOnCpu("cpu"), None
+
+
+def import_all(store, names, optimizer: str) -> None:
+    """Write every row (initial values, zero state), so each whole-table device tier holds all of them."""
+    for name in names:
+        t = store[name]
+        ids = np.arange(t.num_rows, dtype=np.int64)
+        t.write_with_state(ids, initial_weights(store, name), np.zeros((t.num_rows, state_dim(optimizer, DIM)),
+                                                                       np.float32))
+
+
+@pytest.mark.parametrize("optimizer,lr,pooling", OPTIMIZERS)
+@pytest.mark.parametrize("rows", ["loaded on first use", "all present"])
+def test_the_accelerator_step_writes_through_the_slab_views(tmp_path, optimizer, lr, pooling, rows) -> None:
+    """On an accelerator a resident table is stepped by indexed assignment into strided views of the device
+    slab: through the general path while rows are still loaded on first use, and through the all-device path
+    (dedup, gather, pool and step on the device) once every row is present. On a CPU-only machine both are
+    forced here, so CI proves the writes land in the tier and match torch."""
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM), ("b", ROWS // 2, DIM)], DEVICE_HOME)
+    ref = TorchReference([initial_weights(store, n) for n in ("a", "b")], optimizer, lr, pooling=pooling)
+    ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer=optimizer, lr=lr, pooling=pooling, lookahead=1)
+    on_fake_accelerator(ebc)
+    if rows == "all present":
+        import_all(store, ["a", "b"], optimizer)
+    assert ebc._all_rows_on_accelerator() == (rows == "all present")
+    for ids, offs, w in ebc.pipeline(random_batches(3, 12, [ROWS, ROWS // 2], batch=8, max_len=4, dim=DIM,
+                                                    zipf=1.2), sparse=lambda b: b[:2]):
+        assert (len(ebc._queue) == 0) == (rows == "all present")  # nothing to prefetch when all present
         out = ebc(ids, offs)
         loss_of(out, w).backward()
         assert rel_err(out.detach().numpy(), ref.step(ids, offs, w).numpy()) <= 1e-5
+        with torch.no_grad():  # an eval forward: no step
+            assert rel_err(ebc(ids, offs).numpy(), ref.pooled(ids, offs).numpy()) <= 1e-5
+    assert ebc.steps == 12
     ebc.flush()
     tol = 1e-4 if optimizer in ("adam", "adagrad") else 1e-5
-    assert rel_err(store["a"].read_physical(np.arange(ROWS, dtype=np.int64)), ref.weights()[0]) <= tol
+    for name, want in zip(("a", "b"), ref.weights()):
+        t = store[name]
+        assert rel_err(t.read_physical(np.arange(t.num_rows, dtype=np.int64)), want) <= tol
+    store.close()
+
+
+def test_the_all_device_step_refuses_bad_gradients_and_keeps_overflowing_rows(tmp_path) -> None:
+    """As on every path: a NaN gradient raises before any row changes; a step that would overflow float32
+    leaves those rows (and their state) as they were, updates the rest, then raises; the protocol (one
+    backward per forward, before the next) holds."""
+    store = make_store(tmp_path / "s", [("a", ROWS, DIM)], DEVICE_HOME)
+    ebc = TieredEmbeddingBagCollection(store, ["a"], optimizer="sgd", lr=10.0)
+    if DEVICE == "cpu":
+        on_fake_accelerator(ebc)
+    import_all(store, ["a"], "sgd")
+    assert ebc._all_rows_on_accelerator()
+    t = store["a"]
+    before = t.read_physical(np.arange(ROWS, dtype=np.int64))
+    ids, offs = [torch.tensor([1, 2, 2])], [torch.tensor([0, 1, 3])]
+    out = ebc(ids, offs)
+    with pytest.raises(embstore.InvalidRowsError, match="NaN or inf"):
+        (out * torch.tensor(float("nan"))).sum().backward()
+    np.testing.assert_array_equal(t.read_physical(np.arange(ROWS, dtype=np.int64)), before)
+    out = ebc(ids, offs)
+    with pytest.raises(embstore.InvalidRowsError, match="into 1 of its 2 rows"):
+        (out * torch.tensor([[[3e38] * DIM], [[1.0] * DIM]], device=out.device)).sum().backward()
+    after = t.read_physical(np.arange(ROWS, dtype=np.int64))
+    np.testing.assert_array_equal(after[1], before[1])  # row - 10 * 3e38 overflows: kept
+    np.testing.assert_allclose(after[2], before[2] - 20.0, rtol=1e-6)  # two uses of row 2, gradient 1 each
+    loss = ebc(ids, offs).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="call backward once per forward"):
+        loss.backward()
+    ebc.release()
     store.close()
 
 

@@ -196,17 +196,22 @@ class DeviceTier(CacheTier):
         (the rows of a float32 table, and after them the optimizer state a trained table carries)."""
         return self.slab.view(self._torch.float32)
 
-    def count_distinct(self, keys) -> int:  # keys: torch.Tensor of int64 slots on the device
-        """Distinct ``keys`` (in range, already checked), counted on the device: for the statistics of
-        lookups whose ids never leave it. One flag per slot, set then cleared (a byte per row of
+    def count_distinct(self, keys, limit: int) -> int:  # keys: torch.Tensor of int64 slots on the device
+        """Distinct ``keys`` counted on the device, or -1 if one lies outside ``[0, limit)``: the range
+        check and the statistics of lookups whose ids never leave the device, in one read back. Keys
+        are clamped into range before they index anything (an out-of-range index on a GPU is a fatal
+        device-side assert, not an exception). One flag per slot, set then cleared (a byte per row of
         device memory, allocated at the first such call)."""
         t = self._torch
         if self._marks is None:
             self._marks = t.zeros(self.slots, dtype=t.bool, device=self.device)
-        self._marks[keys] = True
-        n = int(self._marks.sum())
-        self._marks[keys] = False
-        return n
+        lo, hi = t.aminmax(keys)
+        safe = keys.clamp(0, limit - 1)
+        self._marks[safe] = True
+        bad = (lo < 0) | (hi >= limit)
+        is_bad, n = t.stack([bad.long(), self._marks.sum()]).tolist()
+        self._marks[safe] = False
+        return -1 if is_bad else n
 
     def read_slots(self, slots: np.ndarray) -> RowBytes:
         t = self._torch

@@ -114,9 +114,10 @@ class _FusedBag(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, ...]:
         grad_out = grad_out.to(torch.float32).contiguous()
         lens = ctx.offsets.diff()
-        per_id = grad_out.repeat_interleave(lens, dim=0)
+        n_ids = ctx.inv.shape[0]  # given, so that no read back of the lengths' sum is needed
+        per_id = grad_out.repeat_interleave(lens, dim=0, output_size=n_ids)
         if ctx.mean:
-            per_id = per_id / lens.clamp(min=1).repeat_interleave(lens)[:, None].to(per_id.dtype)
+            per_id = per_id / lens.clamp(min=1).repeat_interleave(lens, output_size=n_ids)[:, None].to(per_id.dtype)
         g = torch.zeros((ctx.n, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
         g.index_add_(0, ctx.inv, per_id)
         ctx.step(g)
@@ -191,6 +192,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         id_list, off_list = normalize(self.table_names, ids, offsets)
         self._retire_unfinished()
         self._reap_writes()
+        if not self._queue and self._all_rows_on_accelerator():
+            return self._forward_on_accelerator(id_list, off_list, torch.is_grad_enabled() and self.training)
         batch = self._take_prefetched(id_list, off_list)
         if batch is None:
             self._drain()
@@ -271,6 +274,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         """
         k = self.lookahead if lookahead is None else _check_lookahead(lookahead)
         ahead = _check_lookahead(announce, "announce")
+        if self._all_rows_on_accelerator():
+            k = 0  # nothing to fetch: every row is already where the step runs
         get = sparse or (lambda b: b)
         it = iter(batches)
         told: collections.deque[tuple[Any, Any]] = collections.deque()  # read and announced, not prefetched
@@ -540,22 +545,90 @@ class TieredEmbeddingBagCollection(nn.Module):
 
         def step(grad: torch.Tensor) -> None:
             with self._lock:
-                if batch.retired:
-                    raise RuntimeError("embstore: backward for a batch whose next forward already ran; "
-                                       "call backward once per forward, before the next forward")
-                if t in batch.stepped:
-                    raise RuntimeError("embstore: a second backward through the same forward")
+                self._check_step_order(batch, t)
                 grad = grad.to(torch.float32).contiguous()
                 check_finite_gradient(grad, self.table_names[t])
                 skipped = self._step_table(batch, t, grad, bag_grad)
                 ws.dirty[batch.slots[t]] = True
-                batch.stepped.add(t)
-                if len(batch.stepped) == len(self.tables):
-                    self._awaiting.remove(batch)
-                    self._retire(batch)
+                self._stepped(batch, t, skipped, len(batch.slots[t]))
+        return step
+
+    def _check_step_order(self, batch: _Batch, t: int) -> None:
+        """The protocol: one backward per forward, before the next forward."""
+        if batch.retired:
+            raise RuntimeError("embstore: backward for a batch whose next forward already ran; "
+                               "call backward once per forward, before the next forward")
+        if t in batch.stepped:
+            raise RuntimeError("embstore: a second backward through the same forward")
+
+    def _stepped(self, batch: _Batch, t: int, skipped: int, rows: int) -> None:
+        """Table ``t`` of ``batch`` is stepped: retire the batch after its last table, then report rows
+        whose step would have overflowed (they kept their values)."""
+        batch.stepped.add(t)
+        if len(batch.stepped) == len(self.tables):
+            self._awaiting.remove(batch)
+            self._retire(batch)
+        if skipped:
+            raise overflow_error(self.table_names[t], self.optim, skipped, rows,
+                                 float16=self._row_limit[t] is not None)
+
+    # --- tables held whole on an accelerator -----------------------------------------------
+    def _all_rows_on_accelerator(self) -> bool:
+        """Every table is held whole, every row present, in an accelerator's device tier: then a step
+        needs nothing from the host but the ids (see ``_forward_on_accelerator``)."""
+        return all(isinstance(ws, ResidentWorkingSet) and ws.device.type != "cpu" and ws.flat is None
+                   and ws.tier.directory.full and ws.table.recorder is None
+                   and (ws.table.mapper is None or ws.table.mapper.rows_per_id == 1) for ws in self.ws)
+
+    def _forward_on_accelerator(self, id_list: list[np.ndarray], off_list: list[np.ndarray],
+                                grad_on: bool) -> torch.Tensor:
+        """``forward`` when ``_all_rows_on_accelerator``: ids are checked (and hashed) on the host, then
+        deduplicated, gathered, pooled and (in backward) stepped in the device tier's slab on the device,
+        with one read back per table and step. The host's dedup and slot bookkeeping of the general path
+        cost more than the whole device step (BENCHMARKS.md, GPU)."""
+        batch = self._new_batch(id_list, off_list)
+        outs = []
+        for t, ws in enumerate(self.ws):
+            rows = self._physical(t, id_list[t]).reshape(-1)
+            uniq, inv = torch.unique(torch.from_numpy(rows).to(ws.device), return_inverse=True)
+            offs = torch.from_numpy(off_list[t]).to(ws.device)
+            w = ws.rows.index_select(0, uniq)
+            if grad_on:
+                outs.append(_FusedBag.apply(torch.empty(0, requires_grad=True), w, inv, offs, self.pooling,
+                                            self._accelerator_stepper(batch, t, uniq)))
+            else:
+                outs.append(F.embedding_bag(inv, w, offs, mode=self.pooling, include_last_offset=True))
+        self.counters["batches"] += 1
+        if grad_on:
+            self._awaiting.append(batch)
+        else:
+            self._retire(batch)
+        return torch.stack([o.to(self.device) for o in outs], dim=1)
+
+    def _accelerator_stepper(self, batch: _Batch, t: int, uniq: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """The step of ``_forward_on_accelerator``: updated copies of the rows, then one read back of
+        (non-finite gradient values, rows whose update is not finite) before anything is stored, so a bad
+        gradient leaves every row as it was and an overflowing row keeps its values (as ``_stepper``)."""
+        ws = self.ws[t]
+
+        def step(grad: torch.Tensor) -> None:
+            with self._lock:
+                self._check_step_order(batch, t)
+                grad = grad.to(torch.float32).contiguous()
+                w, st = ws.rows.index_select(0, uniq), ws.state.index_select(0, uniq)
+                apply_update(self.optim, w, st, grad, self.steps + 1)
+                ok = finite_rows(w, st)
+                bad_grad, skipped = torch.stack([(~torch.isfinite(grad)).sum(), (~ok).sum()]).tolist()
+                if bad_grad:
+                    check_finite_gradient(grad, self.table_names[t])  # raises, naming the count
                 if skipped:
-                    raise overflow_error(self.table_names[t], self.optim, skipped, len(batch.slots[t]),
-                                         float16=self._row_limit[t] is not None)
+                    w = torch.where(ok[:, None], w, ws.rows.index_select(0, uniq))
+                    st = torch.where(ok[:, None], st, ws.state.index_select(0, uniq))
+                ws.rows[uniq] = w
+                if ws.state_dim:
+                    ws.state[uniq] = st
+                ws.dirty[uniq.cpu().numpy()] = True
+                self._stepped(batch, t, skipped, len(uniq))
         return step
 
     def _step_table(self, batch: _Batch, t: int, grad: torch.Tensor, bag_grad: bool) -> int:

@@ -113,6 +113,13 @@ class TorchReference:
             self._row_adam()
         return out.detach()
 
+    @torch.no_grad()
+    def pooled(self, ids: list[torch.Tensor], offs: list[torch.Tensor]) -> torch.Tensor:
+        """The bags of the current weights, without a step (an eval forward)."""
+        if self.tbe:
+            return torch.stack([tbe(i, o) for tbe, i, o in zip(self.tbe, ids, offs)], dim=1)
+        return torch.stack([bag(i, o) for bag, i, o in zip(self.bags, ids, offs)], dim=1)
+
     def _rowwise_adagrad(self) -> None:
         """fbgemm's EXACT_ROWWISE_ADAGRAD: one accumulator per row, of the mean squared gradient."""
         with torch.no_grad():
