@@ -29,9 +29,12 @@ from embstore.tiers.cache import DeviceTier, DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
 
 POOL_MODES = ("sum", "mean")
-# a device tier on a CPU-only machine: ids in host memory are counted by the numba pass (the per-row flag
-# tensor of the on-device count costs a sweep of the table per call there); tests turn it off to run that path
-COUNT_HOST_IDS_ON_HOST = True
+# Ids already on a whole-table device tier's device are range-checked and counted there
+# (``DeviceTier.count_distinct``, one read back) only when this is True. Off by default: on the H100 the one
+# measurement of that path (20 calls, first use included) averaged 9.3 ms a call, against 0.93 ms for
+# copying the ids to the host, counting them with the numba pass and copying them back (BENCHMARKS.md,
+# GPU); whether its steady state is faster was not measured. Tests turn it on to run that path.
+COUNT_DEVICE_IDS_ON_DEVICE = False
 MAX_ANNOUNCED = 1024  # announced batches a table keeps pending: more means an advance() is missing
 
 
@@ -193,8 +196,8 @@ class Table:
         the distinct rows in the tier's statistics; None otherwise (nothing counted, the caller takes
         the validating path, which also raises every input error).
 
-        Ids already on the device stay there: the range check and the distinct count run on the device
-        with one read back (``DeviceTier.count_distinct``). Other ids are checked and
+        With ``COUNT_DEVICE_IDS_ON_DEVICE``, ids already on the device stay there: the range check and
+        the distinct count run on the device with one read back (``DeviceTier.count_distinct``). Other ids are checked and
         counted on the host as the DRAM path does, then copied over.
         """
         top = self.device_tier()
@@ -202,8 +205,8 @@ class Table:
             return None
         import torch
 
-        if (isinstance(ids, torch.Tensor) and ids.device == torch.device(top.device) and self.mapper is None
-                and (ids.device.type != "cpu" or not COUNT_HOST_IDS_ON_HOST)
+        if (COUNT_DEVICE_IDS_ON_DEVICE and isinstance(ids, torch.Tensor) and ids.device == top.slab.device
+                and self.mapper is None
                 and ids.dtype == torch.int64 and ids.dim() == 1 and len(ids) and top.directory.full):
             idx = ids.detach()
             n = top.count_distinct(idx, self.num_rows)  # -1 when an id is out of range

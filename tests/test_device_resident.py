@@ -53,9 +53,9 @@ def test_a_whole_table_device_tier_is_the_device_path(tmp_path) -> None:
 
 @pytest.fixture(params=["host count", "device count"])
 def count_on(request, monkeypatch):
-    """On a CPU-only machine ids in host memory are counted by the numba pass; "device count" makes them
-    take the on-device check and count that ids on a GPU take, so CI runs that path too."""
-    monkeypatch.setattr(embstore.table, "COUNT_HOST_IDS_ON_HOST", request.param == "host count")
+    """Ids are counted by the host's numba pass by default; "device count" makes ids already on the table's
+    device take the on-device check and count (``COUNT_DEVICE_IDS_ON_DEVICE``), so CI runs that path too."""
+    monkeypatch.setattr(embstore.table, "COUNT_DEVICE_IDS_ON_DEVICE", request.param == "device count")
     return request.param
 
 

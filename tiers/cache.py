@@ -207,10 +207,10 @@ class DeviceTier(CacheTier):
             self._marks = t.zeros(self.slots, dtype=t.bool, device=self.device)
         lo, hi = t.aminmax(keys)
         safe = keys.clamp(0, limit - 1)
-        self._marks[safe] = True
+        self._marks.index_fill_(0, safe, True)  # not ``marks[safe] = True``: that copies the scalar over first
         bad = (lo < 0) | (hi >= limit)
         is_bad, n = t.stack([bad.long(), self._marks.sum()]).tolist()
-        self._marks[safe] = False
+        self._marks.index_fill_(0, safe, False)
         return -1 if is_bad else n
 
     def read_slots(self, slots: np.ndarray) -> RowBytes:
