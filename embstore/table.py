@@ -219,7 +219,11 @@ class Table:
                 n = top.directory.count_resident(rows, threads)
             if n < 0:
                 return None
-            idx = torch.from_numpy(rows).to(top.device)
+            if (isinstance(ids, torch.Tensor) and ids.device == top.slab.device and ids.dtype == torch.int64
+                    and rows is arr):
+                idx = ids.detach().contiguous()  # unhashed ids already on the device: no second copy over
+            else:
+                idx = torch.from_numpy(rows).to(top.device)
         top.counters.hits += n
         top.counters.bytes_read += n * top.row_bytes
         return idx, len(idx), isinstance(ids, torch.Tensor)

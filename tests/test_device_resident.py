@@ -370,3 +370,20 @@ def test_a_model_holding_the_module_moves_with_to() -> None:
     torch.nn.Module.__init__(model.bags)
     model.to(DEVICE)
     assert model[0].weight.device.type == DEVICE
+
+
+def test_strided_and_empty_tensor_ids_on_the_device_path(tmp_path) -> None:
+    """Ids given as a strided view or an empty int32 tensor (accepted when empty, as everywhere) read the
+    same rows as their numpy copies."""
+    store, w = filled(tmp_path)
+    t = store["t"]
+    strided = torch.arange(0, 2 * ROWS, 2).remainder(ROWS).to(DEVICE)[::3]
+    assert not strided.is_contiguous() or strided.numel() < 2
+    np.testing.assert_array_equal(host(t.lookup(strided)), w[strided.cpu().numpy()])
+    offs = torch.tensor([0, 2, strided.numel()])
+    want = torch.nn.functional.embedding_bag(strided.cpu(), torch.from_numpy(w), offs[:-1], mode="sum").numpy()
+    np.testing.assert_allclose(host(t.lookup_pooled(strided, offs)), want, rtol=1e-6, atol=1e-6)
+    empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    assert host(t.lookup(empty)).shape == (0, DIM)
+    assert host(t.lookup_pooled(empty, torch.tensor([0, 0]))).shape == (1, DIM)
+    store.close()

@@ -11,8 +11,9 @@ tensors. The two sides take turns, every timed call ends with a
 ``torch.cuda.synchronize()``, best of ``--repeats`` each:
 
 1. ``lookup_pooled`` with ids already on the GPU against ``F.embedding_bag``,
-   uniform and Zipf(1.05) ids; ours is also timed with numpy ids (checked and
-   counted on the host, then copied over).
+   uniform and Zipf(1.05) ids; ours is also timed with numpy ids, and with
+   the on-device check and count (``embstore.table.COUNT_DEVICE_IDS_ON_DEVICE``,
+   off by default until this figure says it pays).
 2. ``lookup`` of raw rows against ``weight.index_select``.
 3. A training step (forward, backward, optimizer), ids handed over as host
    tensors as a data loader gives them: ``TieredEmbeddingBagCollection``
@@ -90,8 +91,17 @@ def bench_lookups(args, rows: int, dev: str, tmp: str) -> dict:
         for t, w, x in zip(tables, tw, dids):  # same numbers on both sides
             got = t.lookup_pooled(x, toffs)
             assert torch.allclose(got, F.embedding_bag(x, w, toffs_dev, mode="sum"), rtol=1e-5, atol=1e-5)
+        def device_count() -> None:  # the on-device check and count (off by default; see embstore.table)
+            embstore.table.COUNT_DEVICE_IDS_ON_DEVICE = True
+            try:
+                for t, x in zip(tables, dids):
+                    t.lookup_pooled(x, toffs)
+            finally:
+                embstore.table.COUNT_DEVICE_IDS_ON_DEVICE = False
+
         fns = {
             "ours_pooled": synced(lambda: [t.lookup_pooled(x, toffs) for t, x in zip(tables, dids)]),
+            "ours_pooled_device_count": synced(device_count),
             "ours_pooled_numpy_ids": synced(lambda: [t.lookup_pooled(x, offs) for t, x in zip(tables, ids)]),
             "torch_pooled": synced(lambda: [F.embedding_bag(x, w, toffs_dev, mode="sum") for w, x in zip(tw, dids)]),
             "ours_raw": synced(lambda: [t.lookup(x) for t, x in zip(tables, dids)]),
@@ -102,7 +112,8 @@ def bench_lookups(args, rows: int, dev: str, tmp: str) -> dict:
         out[dist]["pooled_ratio"] = rates["ours_pooled"] / rates["torch_pooled"]
         out[dist]["raw_ratio"] = rates["ours_raw"] / rates["torch_raw"]
         r = out[dist]
-        print(f"  {dist:<8} pooled: ours {r['ours_pooled']:8.1f} M rows/s (numpy ids {r['ours_pooled_numpy_ids']:7.1f})"
+        print(f"  {dist:<8} pooled: ours {r['ours_pooled']:8.1f} M rows/s (numpy ids {r['ours_pooled_numpy_ids']:7.1f}, "
+              f"counted on the device {r['ours_pooled_device_count']:7.1f})"
               f"  torch {r['torch_pooled']:8.1f}  ratio {r['pooled_ratio']:.2f}x")
         print(f"  {dist:<8} raw:    ours {r['ours_raw']:8.1f} M rows/s  torch {r['torch_raw']:8.1f}"
               f"  ratio {r['raw_ratio']:.2f}x")
