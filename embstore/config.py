@@ -133,6 +133,9 @@ class PolicySpec:
         return self.kind.value + ("+tinylfu" if self.tinylfu else "")
 
 
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:[0-9]{1,3})?")
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """One level of a table's hierarchy. ``capacity`` is bytes; None for a home tier."""
@@ -145,10 +148,12 @@ class TierConfig:
     write_buffer: int = 64 << 20  # rocksdb memtable bytes
     compression: str = "none"  # rocksdb: none | lz4 | zstd | snappy
     layout: str = "in_place"  # ssd: "in_place" (rows at fixed slots) | "log" (writes append; tiers/ssd_log.py)
+    device: str = "auto"  # device: "auto" (cuda when torch sees a GPU, else cpu) | "cpu" | "cuda" | "cuda:N"
 
-    _ALLOWED = {"kind", "capacity", "policy", "queue_depth", "block_cache", "write_buffer", "compression", "layout"}
+    _ALLOWED = {"kind", "capacity", "policy", "queue_depth", "block_cache", "write_buffer", "compression", "layout",
+                "device"}
     _APPLIES = {  # keys a TOML tier of each kind may carry ("policy" too, on a cache: one with a capacity)
-        TierKind.DEVICE: {"kind", "capacity"}, TierKind.DRAM: {"kind", "capacity"}, TierKind.MMAP: {"kind", "capacity"},
+        TierKind.DEVICE: {"kind", "capacity", "device"}, TierKind.DRAM: {"kind", "capacity"}, TierKind.MMAP: {"kind", "capacity"},
         TierKind.SSD: {"kind", "queue_depth", "layout"},
         TierKind.ROCKSDB: {"kind", "block_cache", "write_buffer", "compression"},
     }
@@ -170,6 +175,10 @@ class TierConfig:
             raise ConfigError("tiers.layout", f"{self.layout!r} is not one of 'in_place', 'log'")
         if self.layout != "in_place" and self.kind is not TierKind.SSD:
             raise ConfigError("tiers.layout", f"only an ssd tier has a layout, not {self.kind.value!r}")
+        if not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device):
+            raise ConfigError("tiers.device", f"{self.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.device != "auto" and self.kind is not TierKind.DEVICE:
+            raise ConfigError("tiers.device", f"only a device tier has a device, not {self.kind.value!r}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TierConfig":
@@ -197,6 +206,8 @@ class TierConfig:
             out["layout"] = self.layout
         if self.kind is TierKind.ROCKSDB:
             out.update(block_cache=self.block_cache, write_buffer=self.write_buffer, compression=self.compression)
+        if self.device != "auto":
+            out["device"] = self.device
         return out
 
 

@@ -387,3 +387,25 @@ def test_strided_and_empty_tensor_ids_on_the_device_path(tmp_path) -> None:
     assert host(t.lookup(empty)).shape == (0, DIM)
     assert host(t.lookup_pooled(empty, torch.tensor([0, 0]))).shape == (1, DIM)
     store.close()
+
+
+def test_a_device_tier_can_name_its_device(tmp_path) -> None:
+    """``device = "cpu"`` keeps a device tier in host memory even beside a GPU, the setting survives a
+    reopen, and a GPU that is not there is a ConfigError naming the key (never a quiet move to the CPU)."""
+    store = make_store(tmp_path / "s", [("t", ROWS, DIM)],
+                       '[{ kind = "device", capacity = "1MiB", device = "cpu" }, { kind = "ssd" }]')
+    assert store["t"].device_tier().device == "cpu" and store["t"].device_tier().slab.device.type == "cpu"
+    store.close()
+    with embstore.open(tmp_path / "s") as again:
+        assert again["t"].config.tiers[0].device == "cpu"
+        assert again["t"].device_tier().device == "cpu"
+    with pytest.raises(embstore.ConfigError, match="tiers.device.*'cuda:999' asked for"):
+        make_store(tmp_path / "g", [("t", ROWS, DIM)],
+                   '[{ kind = "device", capacity = "1MiB", device = "cuda:999" }, { kind = "ssd" }]')
+    for bad, why in (('"gpu"', "is not 'auto'"), ("0", "is not 'auto'")):
+        with pytest.raises(embstore.ConfigError, match=why):
+            make_store(tmp_path / "b", [("t", ROWS, DIM)], f'[{{ kind = "device", capacity = "1MiB", device = {bad} }}, '
+                                                           '{ kind = "ssd" }]')
+    with pytest.raises(embstore.ConfigError, match="only a device tier has a device"):
+        make_store(tmp_path / "d", [("t", ROWS, DIM)], '[{ kind = "dram", capacity = "1MiB", device = "cpu" }, '
+                                                       '{ kind = "ssd" }]')

@@ -23,6 +23,22 @@ def capacity_rows(tier: TierConfig, row_bytes: int) -> int:
     return rows
 
 
+def device_for(name: str) -> str:
+    """The torch device a device tier's ``device`` setting names: "auto" is cuda when torch sees a GPU, else
+    the CPU; a GPU that is not there is a ConfigError (an explicit request is not quietly moved to the CPU)."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name.partition(":")[2] or 0)
+        if index >= count:
+            raise ConfigError("tiers.device", f"{name!r} asked for, but torch sees {count} GPU(s) here; use "
+                                              "'auto' (a GPU when there is one, else the CPU) or 'cpu'")
+    return name
+
+
 def build_cache(tier: TierConfig, level: int, row_bytes: int, num_rows: int, directory: Path) -> CacheTier:
     rows = capacity_rows(tier, row_bytes)
     if MAX_CAPACITY < rows < num_rows:  # a cache of the whole table is direct-mapped, without that limit
@@ -30,7 +46,7 @@ def build_cache(tier: TierConfig, level: int, row_bytes: int, num_rows: int, dir
                           f"{row_bytes} bytes; a cache holds at most {MAX_CAPACITY} (2**31 - 1) rows unless it "
                           "holds the whole table")
     if tier.kind is TierKind.DEVICE:
-        return DeviceTier(row_bytes, rows, tier.policy, num_rows)
+        return DeviceTier(row_bytes, rows, tier.policy, num_rows, device=device_for(tier.device))
     if tier.kind is TierKind.DRAM:
         return DRAMTier(row_bytes, rows, tier.policy, num_rows)
     if tier.kind is TierKind.MMAP:
