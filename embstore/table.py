@@ -196,9 +196,10 @@ class Table:
         the distinct rows in the tier's statistics; None otherwise (nothing counted, the caller takes
         the validating path, which also raises every input error).
 
-        With ``COUNT_DEVICE_IDS_ON_DEVICE``, ids already on the device stay there: the range check and
-        the distinct count run on the device with one read back (``DeviceTier.count_distinct``). Other ids are checked and
-        counted on the host as the DRAM path does, then copied over.
+        By default the ids are checked and counted on the host as the DRAM path does, and copied over
+        unless they are already there. With ``COUNT_DEVICE_IDS_ON_DEVICE``, ids already on the device
+        stay there: the range check and the distinct count run on the device with one read back
+        (``DeviceTier.count_distinct``).
         """
         top = self.device_tier()
         if top is None or self.recorder is not None or (self.mapper is not None and self.mapper.rows_per_id != 1):
@@ -213,7 +214,7 @@ class Table:
             if n < 0:
                 return None
         else:
-            arr, as_torch = as_ids(ids)
+            arr, _ = as_ids(ids)
             rows = self.physical_rows(arr)
             with kernel_threads(len(rows)) as threads:
                 n = top.directory.count_resident(rows, threads)
