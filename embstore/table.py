@@ -243,14 +243,15 @@ class Table:
     # --- public API ----------------------------------------------------------------
     def lookup(self, ids: Any) -> Any:
         """Rows of ``ids``: shape (len(ids), dim), float32; numpy in -> numpy out, torch in -> torch out."""
-        with self._lock:
-            self._check_open()
-            dev = self._device_rows(ids)
-            if dev is not None:
-                idx, n, as_torch = dev
-                out = self.device_tier().float_rows()[:, :self.dim].index_select(0, idx)
-                self.lookups += n
-                return self._device_out(out, as_torch)
+        if self.device_tier() is not None:
+            with self._lock:
+                self._check_open()
+                dev = self._device_rows(ids)
+                if dev is not None:
+                    idx, n, as_torch = dev
+                    out = self.device_tier().float_rows()[:, :self.dim].index_select(0, idx)
+                    self.lookups += n
+                    return self._device_out(out, as_torch)
         arr, as_torch = as_ids(ids)
         with self._lock:
             self._check_open()
