@@ -119,14 +119,26 @@ def _fused_bag_step(kind, rows, state, slots, inv, offsets, grad_out, mean, lr, 
 
 @numba.njit(cache=True, inline="always")
 def _prefetch_slot(rows, state, s, dim):
-    """Prefetch the first line of a slot's row and of its optimizer state (when that is not inside the
-    row, as in a wider slab), for writing. One line a row, the core's adjacent-line prefetcher taking
-    the rest, made the fused step 1.13-1.19x faster than prefetching every line (8 x 82k ids of dim
-    64 + rowwise Adagrad state on a 1M-row slab; throwaway sweep: distance 8 and 12 alike, 24 and
-    first + last line slower)."""
-    prefetch_cell(rows, s, 0)
+    """Prefetch, for writing, every cache line of a slot's row and of its optimizer state (when that
+    is not inside the row, as in a wider slab). The step reads and writes the whole row, and a row
+    with its state (260 bytes at dim 64) spans five lines at any offset. Prefetching only the first
+    line and leaving the rest to the core's adjacent-line prefetcher was measured faster in session 6,
+    on a slab that fitted the last-level cache; with 8 slabs of 1M rows (2 GB, far past it) every
+    line took the fused step from ~98 to ~70-84 ms a training step (BENCHMARKS.md, session 19)."""
+    _prefetch_row_lines(rows, s)
     if rows.shape[1] == dim and state.shape[1]:
-        prefetch_cell(state, s, 0)
+        _prefetch_row_lines(state, s)
+
+
+@numba.njit(cache=True, inline="always")
+def _prefetch_row_lines(arr, s):
+    """Prefetch every cache line ``arr[s]`` touches: one cell every 16 float32s (64 bytes) and the
+    last cell, which covers the final line at any starting offset."""
+    width = arr.shape[1]
+    for c in range(0, width, 16):
+        prefetch_cell(arr, s, c)
+    if width > 1 and (width - 1) % 16 != 0:
+        prefetch_cell(arr, s, width - 1)
 
 
 @numba.njit(cache=True, inline="always")
