@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from embstore.hash_index import mix64
-from embstore.prefetch import prefetch_cell, prefetch_read
+from embstore.prefetch import prefetch_read, prefetch_row_lines
 
 
 PARALLEL_MIN_ITEMS = 16_384
@@ -248,11 +248,14 @@ def _max_exponent(bits):
     return m
 
 
-WRITE_PREFETCH_DISTANCE = 4
-"""Rows ahead whose first line ``scatter_rows`` prefetches for writing, so that more of its row writes
-miss at once than the store buffer alone lets through. 4 against 8 and 16, and the first line against
-all four of a 256-byte row, in a throwaway sweep (8 x 78k rows into 1M x 64 slabs): 1.99x -> 2.31x
-numpy's ``w[ids] = rows``; the others 2.09-2.20x."""
+WRITE_PREFETCH_DISTANCE = 8
+"""Rows ahead whose every cache line ``scatter_rows`` prefetches for writing, so that more of its row
+writes miss at once than the store buffer alone lets through. Session 8's sweep (8 x 78k rows into 1M
+x 64 slabs) on the machine of the time preferred the first line only at distance 4 (2.31x numpy's
+``w[ids] = rows`` against 2.09-2.20x for the others); on session 19's AVX-512 machine that left the
+other three lines of a 256-byte row to demand misses: 0.84x numpy, against 1.12-1.15x with every line
+prefetched at distance 4, 8 or 16 (Table.update of 8 x 78k rows, old and new kernels alternating in one
+process; BENCHMARKS.md)."""
 
 
 @numba.njit(cache=True, nogil=True)
@@ -269,7 +272,7 @@ def scatter_rows(slab, index, rows, dirty):
     n = index.shape[0]
     for i in range(n):
         if i + WRITE_PREFETCH_DISTANCE < n:
-            prefetch_cell(slab, index[i + WRITE_PREFETCH_DISTANCE], 0)
+            prefetch_row_lines(slab, index[i + WRITE_PREFETCH_DISTANCE])
         k = index[i]
         for d in range(dim):
             slab[k, d] = rows[i, d]

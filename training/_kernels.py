@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from embstore.prefetch import PREFETCH_DISTANCE, prefetch_cell
+from embstore.prefetch import PREFETCH_DISTANCE, prefetch_row_lines
 
 # Let LLVM reorder float sums: the row-wise mean of squared gradients is then a
 # vectorised reduction instead of a 64-add dependency chain per row (6.7x on
@@ -122,23 +122,13 @@ def _prefetch_slot(rows, state, s, dim):
     """Prefetch, for writing, every cache line of a slot's row and of its optimizer state (when that
     is not inside the row, as in a wider slab). The step reads and writes the whole row, and a row
     with its state (260 bytes at dim 64) spans five lines at any offset. Prefetching only the first
-    line and leaving the rest to the core's adjacent-line prefetcher was measured faster in session 6,
-    on a slab that fitted the last-level cache; with 8 slabs of 1M rows (2 GB, far past it) every
-    line took the fused step from ~98 to ~70-84 ms a training step (BENCHMARKS.md, session 19)."""
-    _prefetch_row_lines(rows, s)
+    line and leaving the rest to the core's adjacent-line prefetcher measured faster in session 6's
+    sweep over one 1M-row slab (260 MB: inside session 19's machine's 300 MB last-level cache); in
+    whole training steps over 8 such slabs, every line took a step from ~98 to ~70-84 ms there
+    (BENCHMARKS.md, session 19)."""
+    prefetch_row_lines(rows, s)
     if rows.shape[1] == dim and state.shape[1]:
-        _prefetch_row_lines(state, s)
-
-
-@numba.njit(cache=True, inline="always")
-def _prefetch_row_lines(arr, s):
-    """Prefetch every cache line ``arr[s]`` touches: one cell every 16 float32s (64 bytes) and the
-    last cell, which covers the final line at any starting offset."""
-    width = arr.shape[1]
-    for c in range(0, width, 16):
-        prefetch_cell(arr, s, c)
-    if width > 1 and (width - 1) % 16 != 0:
-        prefetch_cell(arr, s, width - 1)
+        prefetch_row_lines(state, s)
 
 
 @numba.njit(cache=True, inline="always")
