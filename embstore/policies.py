@@ -83,9 +83,9 @@ from embstore.arrays import Ids
 from embstore.config import PolicyKind, PolicySpec
 from embstore.hash_index import EMPTY, fidx_get, fidx_insert, fidx_remove, fingerprint, fp_home, index_entries, \
     index_tagging, mix64
-from embstore.lookahead import (AMETA, A_CLOCK, A_FIRST, A_NANN, A_NOCC, A_NSEQ, A_ON, INF, NUSE, O_KEY, OCC, SFREQ,
-                                 idle_state, map_prefetch, occ_add, occ_consume, occ_pending_head, rank_pop, rank_push,
-                                 rank_top, start_state, with_room)
+from embstore.lookahead import (AMETA, A_CLOCK, A_FIRST, A_NANN, A_NOCC, A_NSEQ, A_ON, FIRST_RING, INF, NUSE, O_KEY, OCC,
+                                 SFREQ, idle_state, map_prefetch, occ_add, occ_consume, occ_pending_head, rank_pop,
+                                 rank_push, rank_top, start_state, with_room)
 from embstore.prefetch import prefetch_at, prefetch_cell
 LRU, LFU, CLOCK = 0, 1, 2
 _KIND_CODE = {PolicyKind.LRU: LRU, PolicyKind.LFU: LFU, PolicyKind.CLOCK: CLOCK}
@@ -657,7 +657,7 @@ class CacheDirectory:
         ``advance`` passes it, rows are ranked by their next announced use."""
         keys = self._keys(keys)
         if not self._ah[AMETA][A_ON]:
-            self._ah = start_state(self.capacity, max(2 * len(keys), 1024))
+            self._ah = start_state(self.capacity, max(2 * len(keys), FIRST_RING))
         self._ah = with_room(self._ah, len(keys))
         _announce_kernel(keys, self._kind, self.capacity, self._index, self._limit, self._shift, self.slot_key,
                          self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev, self._bnext,

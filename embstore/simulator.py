@@ -151,7 +151,8 @@ def demand_misses(keys: Ids, offsets: Offsets, miss: npt.NDArray[np.bool_], capa
     return int(demand.sum())
 
 
-def _check_batches(value: Any, name: str, allow_none: bool = False) -> None:
+def check_batches(value: Any, name: str, allow_none: bool = False) -> None:
+    """InvalidInputError unless ``value`` is a whole number of batches >= 0 (or None, where allowed)."""
     if value is None and allow_none:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -169,8 +170,8 @@ def replay_keys(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[Policy
     only the misses above it, as in the store.
     """
     lv = _levels(levels)
-    _check_batches(lookahead, "lookahead")
-    _check_batches(announce, "announce", allow_none=True)
+    check_batches(lookahead, "lookahead")
+    check_batches(announce, "announce", allow_none=True)
     keys = _as_keys(keys)  # integers only: float keys would be truncated into other rows
     off = np.ascontiguousarray(batch_offsets, np.int64)
     if dedup:
@@ -228,7 +229,7 @@ def miss_ratio_curve(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLik
     """Hits of a single cache at each capacity (rows). ``policy`` "belady" gives MIN;
     plain LRU takes one stack-distance pass; the others (and any policy told ``announce``
     batches ahead) one simulate per capacity."""
-    _check_batches(announce, "announce", allow_none=True)
+    check_batches(announce, "announce", allow_none=True)
     caps = np.asarray(capacities)
     if caps.ndim != 1 or (caps.size and (caps.dtype.kind not in "iu" or caps.min() < 0)):
         raise InvalidInputError("capacities must be a 1-D array of row counts >= 0")

@@ -62,6 +62,20 @@ about one hot row per block, so the row caches (sized by the greedy above)
 get the rest. A large budget (a slice of >= 126 MiB per table) leaves the
 defaults; where even the floors do not fit, the plan exceeds the budget and
 the CLI warns.
+
+Told caches (``announce=K``): a training pipeline run with
+``pipeline(..., announce=K)`` tells every table's caches each batch and the K
+after it before the batch is read (``Table.announce``), and they keep the rows
+needed soonest (``embstore.lookahead``). The curves are then those of the
+told policies (one simulate per capacity, LRU's included), so the sizes and
+policies are chosen for the hits such a pipeline gets: on the dlrm2021-like
+traces a told ``lfu+tinylfu`` (K = 16) gets 4.3-7.2 points more of Belady's
+hits at 1-10% of the rows than the best online policy (BENCHMARKS.md).
+A told partial cache also holds look-ahead state (``lookahead.told_bytes``: 32
+bytes a slot, and 80 bytes per entry of a ring of a power of two of at least
+twice the most distinct ids any K + 1 consecutive batches of its table hold),
+which the budget pays like the directory. A store that only serves lookups is told nothing: tune it
+without ``announce``.
 """
 
 from __future__ import annotations
@@ -76,7 +90,8 @@ from embstore.belady import dedup_batches
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.costmodel import CostModel
 from embstore.errors import InvalidInputError
-from embstore.simulator import ReplayResult, miss_ratio_curve, replay_keys, table_keys
+from embstore.lookahead import told_bytes
+from embstore.simulator import ReplayResult, check_batches, miss_ratio_curve, replay_keys, table_keys
 from embstore.tiers.cache import cache_metadata_bytes
 from embstore.tiers.rocksdb import MEMTABLES, RocksDBTier
 from embstore.tiers.ssd import SSDTier
@@ -114,6 +129,7 @@ class TablePlan:
     layout: str = "in_place"  # of an ssd home
     block_cache: int = ROCKSDB_DEFAULT.block_cache  # of a rocksdb home
     write_buffer: int = ROCKSDB_DEFAULT.write_buffer  # of a rocksdb home
+    told_occurrences: int | None = None  # told caches: most occurrences pending at once (None: told nothing)
 
     @property
     def num_rows(self) -> int:
@@ -131,6 +147,7 @@ class TuneResult:
     batches: int
     cost: CostModel
     extra: dict[str, Any] = field(default_factory=dict)
+    announce: int | None = None  # batches the caches are told ahead (a training pipeline's announce=K)
 
     def config(self) -> StoreConfig:
         out = []
@@ -161,7 +178,7 @@ class TuneResult:
         rows = meta = home = rocks = 0
         for p in self.tables:
             rows += p.dram_rows * self.row_bytes
-            meta += sum(cache_metadata_bytes(n, p.num_rows, pol)
+            meta += sum(_directory_bytes(n, p.num_rows, pol, p.told_occurrences)
                         for n, pol in ((p.dram_rows, p.dram_policy), (p.device_rows, p.device_policy)) if n)
             if p.home == "rocksdb":
                 rocks += RocksDBTier.dram_bytes(p.block_cache, p.write_buffer)
@@ -226,11 +243,29 @@ def rocksdb_sizes(spare: int, share: float, unique_rows: int, row_bytes: int) ->
             size(ROCKSDB_WRITE_BUFFER_FLOOR, ROCKSDB_DEFAULT.write_buffer, extra // MEMTABLES))
 
 
+def _directory_bytes(rows: int, num_rows: int, policy: str, told: int | None) -> int:
+    """DRAM beside a cache's rows: its directory and, for a partial cache told ``told`` occurrences at a
+    time, its look-ahead state (a whole-table cache never evicts and is told nothing)."""
+    extra = told_bytes(rows, told) if told is not None and rows < num_rows else 0
+    return cache_metadata_bytes(rows, num_rows, policy) + extra
+
+
 def _cache_costs(caps: np.ndarray, best: np.ndarray, policies: Sequence[str], num_rows: int,
-                 row_bytes: int) -> np.ndarray:
+                 row_bytes: int, told: int | None = None) -> np.ndarray:
     """Bytes of a cache of ``caps[i]`` rows with the policy winning there: rows + metadata."""
-    return np.array([0 if c == 0 else c * row_bytes + cache_metadata_bytes(int(c), num_rows, policies[b])
+    return np.array([0 if c == 0 else c * row_bytes + _directory_bytes(int(c), num_rows, policies[b], told)
                      for c, b in zip(caps, best)], np.int64)
+
+
+def pending_occurrences(batch_offsets: np.ndarray, announce: int) -> int:
+    """Most occurrences a table told ``announce`` batches ahead holds pending at once: the largest sum
+    of K + 1 consecutive batches' distinct ids (``batch_offsets`` of per-batch deduplicated keys), since
+    a pipeline announces batch b + K after advancing past b - 1."""
+    sizes = np.diff(np.asarray(batch_offsets, np.int64))
+    if sizes.size == 0:
+        return 0
+    sums = np.convolve(sizes, np.ones(min(announce + 1, sizes.size), np.int64), mode="valid")
+    return int(sums.max())
 
 
 def cost_frontier(caps: np.ndarray, hits: np.ndarray, costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -300,9 +335,11 @@ def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int,
 def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int = 256, dim: int | None = None,
          dtype: str = "float32", policies: Sequence[str] = POLICIES, grid_points: int = 16,
          cost: CostModel | None = None, progress: Callable[[int], object] | None = None,
-         metadata_in_budget: bool = True, read_only: bool = False) -> TuneResult:
+         metadata_in_budget: bool = True, read_only: bool = False, announce: int | None = None) -> TuneResult:
     """Plan per-table tiers for ``trace`` within ``dram_bytes`` (+ ``device_bytes``); see module doc.
-    ``read_only``: the store will only serve lookups, so no home needs a log slot map."""
+    ``read_only``: the store will only serve lookups, so no home needs a log slot map. ``announce=K``:
+    size for caches told each batch and the K after it (a training pipeline's ``announce=K``)."""
+    check_batches(announce, "announce", allow_none=True)
     if dram_bytes < 0 or device_bytes < 0:
         raise InvalidInputError("budgets must be >= 0 bytes")
     if row_bytes < 1:
@@ -327,21 +364,22 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
                                     f"2**62 rows; give it a hash (hash = {{ kind = 'mod' }}) and tune a trace "
                                     "of its hashed rows (embstore.recorder records those)")
         k, o = dedup_batches(ids, off)
+        told = pending_occurrences(o, announce) if announce is not None else None
         uniq = int(np.unique(k).size) if k.size else 0
         caps = _grid(uniq, grid_points)
-        per = np.stack([miss_ratio_curve(k, o, caps, p, dedup=False) for p in policies])
+        per = np.stack([miss_ratio_curve(k, o, caps, p, dedup=False, announce=announce) for p in policies])
         if progress is not None:
             progress(1)
         max_id = int(ids.max()) if ids.size else 0
         # a table without accesses shows no sparse id space (and would pay rocksdb's floors for nothing)
         home = "rocksdb" if uniq and (max_id >= SPARSE_MAX_ID or uniq / (max_id + 1) < SPARSE_DENSITY) else "ssd"
-        data.append((name, k, o, uniq, max_id, per, caps, home))
+        data.append((name, k, o, uniq, max_id, per, caps, home, told))
         curves.append((caps, per.max(axis=0)))
-        costs.append(_cache_costs(caps, per.argmax(axis=0), policies, max_id + 1, row_bytes)
+        costs.append(_cache_costs(caps, per.argmax(axis=0), policies, max_id + 1, row_bytes, told)
                      if metadata_in_budget else caps * row_bytes)
         # DRAM caches: with metadata in the budget a policy competes at equal bytes (lru's directory is
         # 40 bytes a slot, lfu+tinylfu's 104), so the candidates are every policy's points on the frontier
-        by_policy = np.stack([_cache_costs(caps, np.full(len(caps), j), policies, max_id + 1, row_bytes)
+        by_policy = np.stack([_cache_costs(caps, np.full(len(caps), j), policies, max_id + 1, row_bytes, told)
                               for j in range(len(policies))]) if metadata_in_budget else \
             np.broadcast_to(caps * row_bytes, per.shape)
         pol, idx = cost_frontier(caps, per, by_policy)
@@ -369,7 +407,7 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
     left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
     dram_pos = allocate([(c[0], c[1]) for c in dram_choices], max(0, left), row_bytes, [c[2] for c in dram_choices])
     plans = []
-    for (name, k, o, uniq, max_id, per, caps, home), di, vi, (bc, wb), choice in zip(
+    for (name, k, o, uniq, max_id, per, caps, home, told), di, vi, (bc, wb), choice in zip(
             data, dram_pos, dev_pos, rocks, dram_choices):
         dram_rows, dev_rows = int(choice[0][di]), int(caps[vi])
         if dram_rows <= dev_rows:
@@ -377,11 +415,13 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
         dram_pol = policies[int(choice[3][di])]
         dev_pol = policies[int(np.argmax(per[:, vi]))]
         levels = ([(dev_pol, dev_rows)] if dev_rows else []) + ([(dram_pol, dram_rows)] if dram_rows else [])
-        res = replay_keys(k, o, levels, row_bytes=row_bytes, belady=False, dedup=False)
+        res = replay_keys(k, o, levels, row_bytes=row_bytes, belady=False, dedup=False, announce=announce)
         acc = int(k.size)
         # log where the caches hold part of the table: every eviction writes a small row back, which in
         # place is a read-modify-write of its 4 KiB block
         partial = max(dev_rows, dram_rows) < max_id + 1
         plans.append(TablePlan(name, acc, uniq, max_id, acc / max(1, uniq * row_bytes), home, dev_rows, dev_pol,
-                               dram_rows, dram_pol, res, "log" if use_log and partial else "in_place", bc, wb))
-    return TuneResult(plans, row_bytes, dim, dtype, int(dram_bytes), int(device_bytes), trace.num_batches, cost)
+                               dram_rows, dram_pol, res, "log" if use_log and partial else "in_place", bc, wb,
+                               told))
+    return TuneResult(plans, row_bytes, dim, dtype, int(dram_bytes), int(device_bytes), trace.num_batches, cost,
+                      announce=announce)

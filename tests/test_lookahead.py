@@ -16,7 +16,7 @@ from embstore.cli import main
 from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.errors import IdOutOfRangeError, InvalidInputError, StoreClosedError
 from embstore.hash_index import EMPTY
-from embstore.lookahead import AMETA, A_CLOCK, A_NANN, A_ON, INF, NUSE, O_KEY, O_SEQ, OCC
+from embstore.lookahead import AMETA, A_CLOCK, A_NANN, A_ON, INF, NUSE, O_KEY, O_SEQ, OCC, told_bytes
 from embstore.policies import CacheDirectory, simulate
 from embstore.simulator import miss_ratio_curve, replay_keys, replay_trace
 from embstore.table import MAX_ANNOUNCED
@@ -271,3 +271,28 @@ def test_replay_announce_flag(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["replay", str(path), "--capacity", "100", "--announce", "-1"])
     assert exc.value.code == 2 and "--announce: expected an integer >= 0" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 200), st.integers(0, 6), st.integers(1, 40), st.integers(5, 700), st.integers(0, 2**31))
+def test_told_bytes_bounds_the_state_a_told_directory_holds(capacity, ahead, batches, width, seed) -> None:
+    """``told_bytes(capacity, pending)``, what ``tune --announce`` charges, is at least the look-ahead state a
+    directory told ``ahead`` batches ahead holds at any time, ``pending`` being the most distinct ids of
+    ``ahead + 1`` consecutive batches; right after the first announcement it is exact."""
+    rng = np.random.default_rng(seed)
+    bs = [np.unique(rng.integers(0, 3 * width, rng.integers(1, width + 1))) for _ in range(batches)]
+    pending = max(sum(len(b) for b in bs[i:i + ahead + 1]) for i in range(batches))
+    d = CacheDirectory(capacity, "lfu+tinylfu", key_limit=3 * width)
+    told = 0
+    most = 0
+    for b in range(batches):
+        while told <= b + ahead and told < batches:
+            d.announce(bs[told])
+            if told == 0:
+                assert sum(a.nbytes for a in d._ah) == told_bytes(capacity, len(bs[0]))
+            told += 1
+            most = max(most, sum(a.nbytes for a in d._ah))
+        d.access(bs[b])
+        d.advance()
+    assert most <= told_bytes(capacity, pending)
+

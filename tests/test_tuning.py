@@ -12,7 +12,12 @@ import pytest
 import embstore
 from embstore import costmodel, tracegen, traces
 from embstore.cli import main
+from embstore.belady import dedup_batches
 from embstore.config import StoreConfig
+from embstore.errors import InvalidInputError
+from embstore.lookahead import told_bytes
+from embstore.simulator import replay_keys, table_keys
+from embstore.tiers.cache import cache_metadata_bytes
 from embstore.tiers.rocksdb import MEMTABLES
 from embstore.tuning import (
     ROCKSDB_BLOCK_CACHE_FLOOR,
@@ -20,6 +25,7 @@ from embstore.tuning import (
     ROCKSDB_WRITE_BUFFER_FLOOR,
     allocate,
     cost_frontier,
+    pending_occurrences,
     rocksdb_sizes,
     tune,
 )
@@ -374,3 +380,114 @@ def test_tune_names_a_table_whose_ids_no_store_table_can_hold():
         tr = traces.Trace(np.array([5, top, 5], np.int64), np.zeros(3, np.int32), np.array([0, 1, 3]), ("a",))
         with pytest.raises(embstore.InvalidInputError, match="table 'a'.*hash"):
             tune(tr, 1 << 30, row_bytes=16)
+
+
+def _drive_told(store, trace: traces.Trace, announce: int | None) -> None:
+    """Look each batch up in the store as a training pipeline with ``announce=K`` does: every table is told
+    each batch and the K after it before the batch is read, and advances past it afterwards."""
+    nb = trace.num_batches
+
+    def ids_of(b: int, t: int) -> np.ndarray:
+        lo, hi = trace.batch_offsets[b], trace.batch_offsets[b + 1]
+        return trace.ids[lo:hi][trace.table[lo:hi] == t]
+
+    told = 0
+    for b in range(nb):
+        while announce is not None and told <= b + announce and told < nb:
+            for t, n in enumerate(trace.table_names):
+                store[n].announce(ids_of(told, t))
+            told += 1
+        for t, n in enumerate(trace.table_names):
+            store[n].lookup(ids_of(b, t))
+            if announce is not None:
+                store[n].advance()
+
+
+def _told_state(tr: traces.Trace, announce: int | None) -> int:
+    """The least look-ahead state of ``tr``'s tables told ``announce`` ahead (their rings), to add to a budget."""
+    if announce is None:
+        return 0
+    return sum(told_bytes(0, pending_occurrences(dedup_batches(*table_keys(tr, t))[1], announce))
+               for t in range(tr.num_tables))
+
+
+@pytest.mark.parametrize("announce", [None, 0, 3])
+@pytest.mark.parametrize("policies", [["lru"], ["lfu+tinylfu", "clock"]])
+def test_a_store_built_from_the_plan_hits_what_tune_expected(tmp_path, announce, policies):
+    """The hits tune expects per table (told ``announce`` batches ahead, or not) are the hits a store
+    created from its TOML counts when driven the way a training pipeline with that announce drives it."""
+    tr = tracegen.generate(zipf_alpha=1.0, batches=12, batch_size=200, tables=2, ids=3000, seed=6)
+    res = tune(tr, (96 << 10) + _told_state(tr, announce), row_bytes=32, policies=policies, announce=announce)
+    assert res.announce == announce
+    assert any(0 < p.dram_rows < p.unique_rows for p in res.tables)  # a partial cache: hits depend on the policy
+    with embstore.create(tmp_path / "s", res.config()) as store:
+        _drive_told(store, tr, announce)
+        for t, p in enumerate(res.tables):
+            got = store[p.name].stats()["dram"]
+            assert (got["hits"], got["misses"]) == (p.result.levels[0].hits, p.result.levels[0].misses)
+            if p.dram_rows >= p.num_rows:
+                continue  # a whole-table cache is direct-mapped: it never evicts and is told nothing
+            state = store[p.name].hierarchy.caches[0].directory._ah
+            if announce is None:
+                assert p.told_occurrences is None and len(state[0]) == 1  # never told: no look-ahead arrays
+            else:  # what the plan charged for the told cache's look-ahead state covers what it holds
+                _, o = dedup_batches(*table_keys(tr, t))
+                assert p.told_occurrences == max(int(o[i + announce + 1 if i + announce + 1 < len(o) else -1] - o[i])
+                                                 for i in range(len(o) - 1))
+                assert sum(a.nbytes for a in state) <= told_bytes(p.dram_rows, p.told_occurrences)
+
+
+def test_told_caches_are_sized_on_the_told_curves():
+    """With announce, tune's expected hits are the told replay's at the sizes it chose, and on a Zipf trace,
+    given the DRAM its look-ahead state takes on top, more than the online plan's (it keeps what is needed
+    soonest)."""
+    tr = tracegen.generate(zipf_alpha=1.0, batches=12, batch_size=200, tables=2, ids=3000, seed=6)
+    online = tune(tr, 64 << 10, row_bytes=32, policies=["lru"])
+    told = tune(tr, (64 << 10) + _told_state(tr, 4), row_bytes=32, policies=["lru"], announce=4)
+    for p in told.tables:
+        ids, off = table_keys(tr, tr.table_names.index(p.name))
+        k, o = dedup_batches(ids, off)
+        want = replay_keys(k, o, [("lru", p.dram_rows)], belady=False, dedup=False, announce=4)
+        assert p.result.levels[0].hits == want.levels[0].hits
+    assert told.totals()["cache_hit_ratio"] > online.totals()["cache_hit_ratio"]
+
+
+@pytest.mark.parametrize("dram", [256 << 10, 1 << 20])
+def test_a_told_plan_pays_for_its_look_ahead_state_within_the_budget(trace_path, dram):
+    tr = traces.load(trace_path)
+    online, told = tune(tr, dram, row_bytes=64), tune(tr, dram, row_bytes=64, announce=4)
+    assert told.used_bytes()[1] <= dram
+    partial = [p for p in told.tables if 0 < p.dram_rows < p.num_rows]
+    assert partial
+    want = sum(told_bytes(p.dram_rows, p.told_occurrences) for p in partial)
+    plain = sum(cache_metadata_bytes(p.dram_rows, p.num_rows, p.dram_policy) for p in told.tables if p.dram_rows)
+    assert told.dram_breakdown()["cache_directories"] == plain + want
+    assert online.dram_breakdown()["cache_directories"] == sum(
+        cache_metadata_bytes(p.dram_rows, p.num_rows, p.dram_policy) for p in online.tables if p.dram_rows)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_tune_refuses_an_announce_that_is_not_a_batch_count(bad):
+    tr = tracegen.generate(zipf_alpha=1.0, batches=2, batch_size=50, tables=1, ids=100, seed=1)
+    with pytest.raises(InvalidInputError, match="announce"):
+        tune(tr, 1 << 20, row_bytes=32, announce=bad)
+
+
+def test_tune_cli_announce(trace_path, tmp_path, capsys):
+    out = tmp_path / "store.toml"
+    assert main(["tune", str(trace_path), "--dram", "64KiB", "--dim", "16", "--announce", "2", "--json",
+                 "--out", str(out)]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["announce"] == 2
+    text = out.read_text()
+    assert text.startswith("# tuned for caches told each batch and the 2 after it")
+    assert "announce=2" in text.splitlines()[0]
+    assert len(StoreConfig.from_toml(out).tables) == 3
+    assert main(["tune", str(trace_path), "--dram", "64KiB", "--dim", "16", "--announce", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "caches told 2 batches ahead" in printed and "# tuned for caches told" in printed
+    assert main(["tune", str(trace_path), "--dram", "64KiB", "--dim", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["announce"] is None
+    with pytest.raises(SystemExit) as e:
+        main(["tune", str(trace_path), "--dram", "64KiB", "--announce", "-1"])
+    assert e.value.code == 2

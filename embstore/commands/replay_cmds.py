@@ -126,6 +126,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--read-only", action="store_true",
                    help="the store will only serve lookups: evictions write nothing back, so no ssd home needs "
                         "the log layout's slot map (4 bytes a row) and its DRAM goes to the caches")
+    t.add_argument("--announce", type=nonneg_int, default=None, metavar="K",
+                   help="size the caches for a training pipeline that tells them each batch and the K after it "
+                        "(ebc.pipeline(..., announce=K)): curves of the told policies, which keep the rows "
+                        "needed soonest (default: caches told nothing, as for serving)")
     t.add_argument("--out", metavar="store.toml",
                    help="write the recommended config here (without it, the TOML is printed after the summary)")
     t.add_argument("--json", action="store_true", help="print one JSON object (and no TOML)")
@@ -260,6 +264,12 @@ def _span(sizes: list[int]) -> str:
     return f"{lo:.1f} MiB" if lo == hi else f"{lo:.1f}-{hi:.1f} MiB"
 
 
+def _announce_note(k: int) -> str:
+    """The TOML comment that says the sizes assume told caches (the store config itself has no such field)."""
+    return (f"# tuned for caches told each batch and the {k} after it: train with "
+            f"ebc.pipeline(..., announce={k})")
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     _check_output(args.out, "--out")
     trace = traces.load(args.trace, batch_size=args.batch_size)
@@ -276,15 +286,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cost = costmodel.default_model()
     with progress_bar(total=trace.num_tables, desc="tune", unit="table", leave=False) as bar:
         res = tune(trace, args.dram, args.device, row_bytes=row_bytes, dim=dim, dtype=args.dtype,
-                   policies=args.policy, cost=cost, progress=bar.update, read_only=args.read_only)
+                   policies=args.policy, cost=cost, progress=bar.update, read_only=args.read_only,
+                   announce=args.announce)
     cfg = res.config()
+    toml = (_announce_note(args.announce) + "\n" if args.announce is not None else "") + cfg.to_toml()
     if args.out:
-        atomic_write(args.out, cfg.to_toml().encode())
+        atomic_write(args.out, toml.encode())
     tot = res.totals()
     dev_used, dram_used = res.used_bytes()
     parts = res.dram_breakdown()
     if args.json:
-        print(json.dumps({"trace": args.trace, "out": args.out, "row_bytes": row_bytes,
+        print(json.dumps({"trace": args.trace, "out": args.out, "row_bytes": row_bytes, "announce": res.announce,
                           "device_bytes_used": dev_used, "dram_bytes_used": dram_used, "dram_breakdown": parts,
                           **tot,
                           "tables": [{"name": p.name, "accesses": p.accesses, "unique_rows": p.unique_rows,
@@ -318,7 +330,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                      f"64 MiB x {MEMTABLES})")
     lines += [
         f"expected     device hits {100 * tot['device_hit_ratio']:.2f}%, DRAM hits {100 * tot['dram_hit_ratio']:.2f}%,"
-        f" all caches {100 * tot['cache_hit_ratio']:.2f}% of deduplicated accesses",
+        f" all caches {100 * tot['cache_hit_ratio']:.2f}% of deduplicated accesses"
+        + (f", caches told {res.announce} batches ahead" if res.announce is not None else ""),
         f"modelled     {1e3 * tot['seconds_per_batch']:.3f} ms/batch vs all-DRAM "
         f"{1e3 * tot['all_dram_seconds_per_batch']:.3f} ms/batch "
         f"({'calibrated' if cost.measured else 'built-in'} costs)",
@@ -331,6 +344,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.out:
         lines.append(f"wrote {args.out}")
     else:  # the recommendation is the point of the run: never lose it
-        lines += ["", f"{TOML_MARK} (--out FILE writes it to a file)", cfg.to_toml().rstrip("\n")]
+        lines += ["", f"{TOML_MARK} (--out FILE writes it to a file)", toml.rstrip("\n")]
     print("\n".join(lines))
     return 0
