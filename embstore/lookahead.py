@@ -72,17 +72,17 @@ def start_state(capacity: int, occurrences: int) -> tuple:
             meta, np.full((2 * ring, 3), EMPTY, np.int64), np.zeros((ring, 4), np.int64))
 
 
-FIRST_RING = 1024
-"""Pending occurrences the first announcement makes room for (at least twice what it announces)."""
+FIRST_RING = 256
+"""Pending occurrences the first announcement makes room for at least (a ring of 20 KiB)."""
 
 
 def told_bytes(capacity: int, pending: int) -> int:
     """The most memory the look-ahead state of a directory of ``capacity`` slots holds when at most
     ``pending`` occurrences are pending at once (the distinct ids of the batches announced and not
     advanced past, the one being announced included): the slot arrays and heap (32 bytes a slot), and
-    a ring and map sized to a power of two of at least twice the occurrences (80 bytes an entry; see
-    ``start_state`` and ``with_room``). What ``embstore tune --announce`` sets aside per told cache."""
-    ring = _pow2(max(2 * int(pending), FIRST_RING))
+    a ring and map of the next power of two of the occurrences (80 bytes an entry; see ``start_state``
+    and ``with_room``). What ``embstore tune --announce`` sets aside per told cache."""
+    ring = _pow2(max(int(pending), FIRST_RING))
     return 8 * (4 * int(capacity) + 1) + 8 * 8 + ring * (2 * 3 + 4) * 8
 
 
@@ -92,7 +92,7 @@ def with_room(ah: tuple, more: int) -> tuple:
     live = int(meta[A_NOCC] - meta[A_FIRST])
     if live + more <= len(ah[OCC]):
         return ah
-    bigger = start_state(len(ah[NUSE]), 2 * (live + more))
+    bigger = start_state(len(ah[NUSE]), live + more)  # the next power of two: at least double when it grows
     for i in (NUSE, SFREQ, HEAP, AMETA):
         bigger[i][:] = ah[i]
     ids = np.arange(meta[A_FIRST], meta[A_NOCC], dtype=np.int64)

@@ -657,7 +657,7 @@ class CacheDirectory:
         ``advance`` passes it, rows are ranked by their next announced use."""
         keys = self._keys(keys)
         if not self._ah[AMETA][A_ON]:
-            self._ah = start_state(self.capacity, max(2 * len(keys), FIRST_RING))
+            self._ah = start_state(self.capacity, max(len(keys), FIRST_RING))
         self._ah = with_room(self._ah, len(keys))
         _announce_kernel(keys, self._kind, self.capacity, self._index, self._limit, self._shift, self.slot_key,
                          self._prev, self._nxt, self._sbucket, self._bfreq, self._bht, self._bprev, self._bnext,

@@ -173,18 +173,23 @@ class TuneResult:
         return (sum(p.device_rows for p in self.tables) * self.row_bytes, sum(self.dram_breakdown().values()))
 
     def dram_breakdown(self) -> dict[str, int]:
-        """DRAM by use: cache rows, cache directories (device caches' too), ssd home indexes, and
-        RocksDB homes' block caches + memtables (``rocksdb_buffers``: caches and buffers, not indexes)."""
-        rows = meta = home = rocks = 0
+        """DRAM by use: cache rows, cache directories (device caches' too), told caches' look-ahead state
+        (``look_ahead``, 0 when told nothing), ssd home indexes, and RocksDB homes' block caches +
+        memtables (``rocksdb_buffers``: caches and buffers, not indexes)."""
+        rows = meta = told = home = rocks = 0
         for p in self.tables:
             rows += p.dram_rows * self.row_bytes
-            meta += sum(_directory_bytes(n, p.num_rows, pol, p.told_occurrences)
-                        for n, pol in ((p.dram_rows, p.dram_policy), (p.device_rows, p.device_policy)) if n)
+            for n, pol in ((p.dram_rows, p.dram_policy), (p.device_rows, p.device_policy)):
+                if n:
+                    meta += cache_metadata_bytes(n, p.num_rows, pol)
+                    told += _directory_bytes(n, p.num_rows, pol, p.told_occurrences) - cache_metadata_bytes(
+                        n, p.num_rows, pol)
             if p.home == "rocksdb":
                 rocks += RocksDBTier.dram_bytes(p.block_cache, p.write_buffer)
             else:
                 home += home_index_bytes(p.home, p.layout, p.num_rows, self.row_bytes)
-        return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home, "rocksdb_buffers": rocks}
+        return {"cache_rows": rows, "cache_directories": meta, "look_ahead": told, "home_indexes": home,
+                "rocksdb_buffers": rocks}
 
     def totals(self) -> dict[str, float]:
         """Hit ratios over all tables and modelled seconds per batch, tiered and all-DRAM."""

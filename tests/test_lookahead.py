@@ -125,7 +125,7 @@ def test_the_ring_and_map_grow_when_many_batches_are_pending() -> None:
     batches = [rng.choice(5000, 400, replace=False) for _ in range(40)]
     d = CacheDirectory(300, "lru", key_limit=5000)
     ref = AnnouncedReference(300, "lru")
-    for b in batches:  # 16,000 pending uses: the first announce sized the ring for 1,024
+    for b in batches:  # 16,000 pending uses: the first announce sized the ring for 400 (512 entries)
         d.announce(b)
         ref.announce(b.tolist())
     grown = d.nbytes

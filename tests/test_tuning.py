@@ -15,7 +15,7 @@ from embstore.cli import main
 from embstore.belady import dedup_batches
 from embstore.config import StoreConfig
 from embstore.errors import InvalidInputError
-from embstore.lookahead import told_bytes
+from embstore.lookahead import A_ON, AMETA, told_bytes
 from embstore.simulator import replay_keys, table_keys
 from embstore.tiers.cache import cache_metadata_bytes
 from embstore.tiers.rocksdb import MEMTABLES
@@ -105,11 +105,13 @@ def _store_dram(store) -> dict[str, int]:
     """What an opened store really holds in host memory, by the parts ``dram_breakdown`` names; a
     RocksDB home by what RocksDB itself reports: its block cache's capacity and the memtable size and
     count in the OPTIONS file it wrote (memtables fill on writes; this is their limit)."""
-    rows = meta = home = rocks = 0
+    rows = meta = told = home = rocks = 0
     for table in store.tables.values():
         for tier in table.hierarchy.caches:
             rows += tier.slab.nbytes if tier.kind == "dram" else 0
             meta += tier.metadata_bytes
+            state = getattr(tier.directory, "_ah", None)  # look-ahead arrays, once something was announced
+            told += sum(a.nbytes for a in state) if state is not None and state[AMETA][A_ON] else 0
         h = table.hierarchy.home
         home += sum(getattr(h, a).nbytes for a in ("_bits", "_changed", "_slot_of", "_live", "_free")
                     if hasattr(h, a))
@@ -118,7 +120,8 @@ def _store_dram(store) -> dict[str, int]:
             options = max(Path(h.path).glob("OPTIONS-*"), key=lambda f: int(f.name.split("-")[1]))
             text = options.read_text()
             rocks += _option(text, "write_buffer_size") * _option(text, "max_write_buffer_number")
-    return {"cache_rows": rows, "cache_directories": meta, "home_indexes": home, "rocksdb_buffers": rocks}
+    return {"cache_rows": rows, "cache_directories": meta, "look_ahead": told, "home_indexes": home,
+            "rocksdb_buffers": rocks}
 
 
 @pytest.mark.parametrize("dram", [64 << 10, 256 << 10])
@@ -461,9 +464,10 @@ def test_a_told_plan_pays_for_its_look_ahead_state_within_the_budget(trace_path,
     assert partial
     want = sum(told_bytes(p.dram_rows, p.told_occurrences) for p in partial)
     plain = sum(cache_metadata_bytes(p.dram_rows, p.num_rows, p.dram_policy) for p in told.tables if p.dram_rows)
-    assert told.dram_breakdown()["cache_directories"] == plain + want
+    assert told.dram_breakdown()["cache_directories"] == plain and told.dram_breakdown()["look_ahead"] == want
     assert online.dram_breakdown()["cache_directories"] == sum(
         cache_metadata_bytes(p.dram_rows, p.num_rows, p.dram_policy) for p in online.tables if p.dram_rows)
+    assert online.dram_breakdown()["look_ahead"] == 0
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
@@ -486,6 +490,10 @@ def test_tune_cli_announce(trace_path, tmp_path, capsys):
     assert main(["tune", str(trace_path), "--dram", "64KiB", "--dim", "16", "--announce", "2"]) == 0
     printed = capsys.readouterr().out
     assert "caches told 2 batches ahead" in printed and "# tuned for caches told" in printed
+    assert "look-ahead state" in printed
+    plain = tune(traces.load(trace_path), 64 << 10, row_bytes=64).totals()["cache_hit_ratio"]
+    assert f"told nothing {100 * plain:.2f}% " in printed
+    assert rec["told_nothing_cache_hit_ratio"] == pytest.approx(plain)
     assert main(["tune", str(trace_path), "--dram", "64KiB", "--dim", "16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["announce"] is None
     with pytest.raises(SystemExit) as e:

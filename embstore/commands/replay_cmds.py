@@ -284,10 +284,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         dim = args.dim or 64
     row_bytes = RowFormat(dim, RowDType(args.dtype)).row_bytes
     cost = costmodel.default_model()
-    with progress_bar(total=trace.num_tables, desc="tune", unit="table", leave=False) as bar:
-        res = tune(trace, args.dram, args.device, row_bytes=row_bytes, dim=dim, dtype=args.dtype,
-                   policies=args.policy, cost=cost, progress=bar.update, read_only=args.read_only,
-                   announce=args.announce)
+    runs = [args.announce] if args.announce is None else [args.announce, None]  # told: and the plan told nothing
+    with progress_bar(total=len(runs) * trace.num_tables, desc="tune", unit="table", leave=False) as bar:
+        res, *plain = [tune(trace, args.dram, args.device, row_bytes=row_bytes, dim=dim, dtype=args.dtype,
+                            policies=args.policy, cost=cost, progress=bar.update, read_only=args.read_only,
+                            announce=k) for k in runs]
+    untold = plain[0].totals()["cache_hit_ratio"] if plain else None
     cfg = res.config()
     toml = (_announce_note(args.announce) + "\n" if args.announce is not None else "") + cfg.to_toml()
     if args.out:
@@ -297,6 +299,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     parts = res.dram_breakdown()
     if args.json:
         print(json.dumps({"trace": args.trace, "out": args.out, "row_bytes": row_bytes, "announce": res.announce,
+                          "told_nothing_cache_hit_ratio": untold,
                           "device_bytes_used": dev_used, "dram_bytes_used": dram_used, "dram_breakdown": parts,
                           **tot,
                           "tables": [{"name": p.name, "accesses": p.accesses, "unique_rows": p.unique_rows,
@@ -321,6 +324,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     lines += [
         f"budget used  device {dev_used:,} of {args.device:,} B, DRAM {dram_used:,} of {args.dram:,} B "
         f"(cache rows {parts['cache_rows']:,}, cache directories {parts['cache_directories']:,}, "
+        + (f"look-ahead state {parts['look_ahead']:,}, " if res.announce is not None else "") +
         f"home indexes {parts['home_indexes']:,}"
         + (f", rocksdb block caches + memtables {parts['rocksdb_buffers']:,}" if rocks else "") + ")",
     ]
@@ -332,6 +336,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"expected     device hits {100 * tot['device_hit_ratio']:.2f}%, DRAM hits {100 * tot['dram_hit_ratio']:.2f}%,"
         f" all caches {100 * tot['cache_hit_ratio']:.2f}% of deduplicated accesses"
         + (f", caches told {res.announce} batches ahead" if res.announce is not None else ""),
+        *([f"told nothing {100 * untold:.2f}% of deduplicated accesses from all caches under the same budget "
+           "(which needs no look-ahead state)"]
+          if plain else []),
         f"modelled     {1e3 * tot['seconds_per_batch']:.3f} ms/batch vs all-DRAM "
         f"{1e3 * tot['all_dram_seconds_per_batch']:.3f} ms/batch "
         f"({'calibrated' if cost.measured else 'built-in'} costs)",
