@@ -72,10 +72,13 @@ policies are chosen for the hits such a pipeline gets: on the dlrm2021-like
 traces a told ``lfu+tinylfu`` (K = 16) gets 4.3-7.2 points more of Belady's
 hits at 1-10% of the rows than the best online policy (BENCHMARKS.md).
 A told partial cache also holds look-ahead state (``lookahead.told_bytes``: 32
-bytes a slot, and 80 bytes per entry of a ring of a power of two of at least
-twice the most distinct ids any K + 1 consecutive batches of its table hold),
-which the budget pays like the directory. A store that only serves lookups is told nothing: tune it
-without ``announce``.
+bytes a slot, and 80 bytes per entry of a ring of the next power of two, at
+least 256, of the most distinct ids any K + 1 consecutive batches of its table
+hold), which the budget pays beside the directory (``look_ahead`` in
+``dram_breakdown``). It can cost more than the rows it replaces: on the
+dlrm2021-like trace no told plan beat the one told nothing at equal bytes
+(BENCHMARKS.md), which is why the CLI prints both. A store that only serves
+lookups is told nothing: tune it without ``announce``.
 """
 
 from __future__ import annotations
@@ -182,8 +185,7 @@ class TuneResult:
             for n, pol in ((p.dram_rows, p.dram_policy), (p.device_rows, p.device_policy)):
                 if n:
                     meta += cache_metadata_bytes(n, p.num_rows, pol)
-                    told += _directory_bytes(n, p.num_rows, pol, p.told_occurrences) - cache_metadata_bytes(
-                        n, p.num_rows, pol)
+                    told += _look_ahead_bytes(n, p.num_rows, p.told_occurrences)
             if p.home == "rocksdb":
                 rocks += RocksDBTier.dram_bytes(p.block_cache, p.write_buffer)
             else:
@@ -248,11 +250,15 @@ def rocksdb_sizes(spare: int, share: float, unique_rows: int, row_bytes: int) ->
             size(ROCKSDB_WRITE_BUFFER_FLOOR, ROCKSDB_DEFAULT.write_buffer, extra // MEMTABLES))
 
 
+def _look_ahead_bytes(rows: int, num_rows: int, told: int | None) -> int:
+    """The look-ahead state of a partial cache told ``told`` occurrences at a time (None: told nothing);
+    a whole-table cache never evicts and is told nothing."""
+    return told_bytes(rows, told) if told is not None and rows < num_rows else 0
+
+
 def _directory_bytes(rows: int, num_rows: int, policy: str, told: int | None) -> int:
-    """DRAM beside a cache's rows: its directory and, for a partial cache told ``told`` occurrences at a
-    time, its look-ahead state (a whole-table cache never evicts and is told nothing)."""
-    extra = told_bytes(rows, told) if told is not None and rows < num_rows else 0
-    return cache_metadata_bytes(rows, num_rows, policy) + extra
+    """DRAM beside a cache's rows: its directory and its look-ahead state."""
+    return cache_metadata_bytes(rows, num_rows, policy) + _look_ahead_bytes(rows, num_rows, told)
 
 
 def _cache_costs(caps: np.ndarray, best: np.ndarray, policies: Sequence[str], num_rows: int,
