@@ -253,7 +253,7 @@ WRITE_PREFETCH_DISTANCE = 8
 writes miss at once than the store buffer alone lets through. Session 8's sweep (8 x 78k rows into 1M
 x 64 slabs) on the machine of the time preferred the first line only at distance 4 (2.31x numpy's
 ``w[ids] = rows`` against 2.09-2.20x for the others); on session 19's AVX-512 machine that left the
-other three lines of a 256-byte row to demand misses: 0.84x numpy, against 1.12-1.15x with every line
+other three lines of a 256-byte row to demand misses: 0.84x numpy, against 1.12-1.16x with every line
 prefetched at distance 4, 8 or 16 (Table.update of 8 x 78k rows, old and new kernels alternating in one
 process; BENCHMARKS.md)."""
 

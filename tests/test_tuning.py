@@ -435,7 +435,7 @@ def test_a_store_built_from_the_plan_hits_what_tune_expected(tmp_path, announce,
                 assert p.told_occurrences is None and len(state[0]) == 1  # never told: no look-ahead arrays
             else:  # what the plan charged for the told cache's look-ahead state covers what it holds
                 _, o = dedup_batches(*table_keys(tr, t))
-                assert p.told_occurrences == max(int(o[i + announce + 1 if i + announce + 1 < len(o) else -1] - o[i])
+                assert p.told_occurrences == max(int(o[min(i + announce + 1, len(o) - 1)] - o[i])
                                                  for i in range(len(o) - 1))
                 assert sum(a.nbytes for a in state) <= told_bytes(p.dram_rows, p.told_occurrences)
 

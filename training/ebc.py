@@ -576,7 +576,8 @@ class TieredEmbeddingBagCollection(nn.Module):
     def _all_rows_on_accelerator(self) -> bool:
         """Every table is held whole, every row present, in an accelerator's device tier: then a step
         needs nothing from the host but the ids (see ``_forward_on_accelerator``)."""
-        return all(isinstance(ws, ResidentWorkingSet) and ws.device.type != "cpu" and ws.tier.directory.full and ws.table.recorder is None
+        return all(isinstance(ws, ResidentWorkingSet) and ws.device.type != "cpu" and ws.tier.directory.full
+                   and ws.table.recorder is None
                    and (ws.table.mapper is None or ws.table.mapper.rows_per_id == 1) for ws in self.ws)
 
     def _forward_on_accelerator(self, id_list: list[np.ndarray], off_list: list[np.ndarray],
