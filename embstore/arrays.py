@@ -73,7 +73,16 @@ def as_ids(ids: Any, what: str = "ids") -> tuple[Ids, bool]:
             arr = arr.astype(np.int64)
         else:
             raise InvalidInputError(f"{what} must have dtype int64, got {arr.dtype}")
-    return np.ascontiguousarray(arr), was_torch
+    return _forward(np.ascontiguousarray(arr)), was_torch
+
+
+def _forward(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (C-contiguous) with no negative stride. numpy calls a view with a negative stride along a
+    dimension of length 1 (``ids[::-1]`` of one id, ``rows[::-1]`` of one row) contiguous and
+    ``ascontiguousarray`` keeps it, but ``torch.from_numpy`` refuses it: lookups on a resident table and
+    writes into a device tier raised torch's ValueError, the latter after the cache had already given
+    the row a slot (that row then read another row's bytes)."""
+    return arr.copy() if arr.ndim and min(arr.strides) < 0 else arr
 
 
 def check_id_range(ids: Ids, limit: int | None, what: str, hint: str = "") -> None:
@@ -101,7 +110,7 @@ def as_offsets(offsets: Any, num_ids: int) -> Offsets:
     if i >= 0:
         raise InvalidOffsetsError(f"offsets must be non-decreasing; offsets[{i}] = {int(arr[i])} > "
                                   f"offsets[{i + 1}] = {int(arr[i + 1])}")
-    return np.ascontiguousarray(arr)
+    return _forward(np.ascontiguousarray(arr))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -122,7 +131,7 @@ def as_rows(rows: Any, n: int, dim: int) -> tuple[Rows, bool]:
     if arr.dtype.kind != "f":
         raise InvalidRowsError(f"rows must be floating point (float32), got {arr.dtype}")
     with np.errstate(over="ignore"):  # a value beyond float32 becomes inf and is refused just below
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        arr = _forward(np.ascontiguousarray(arr, dtype=np.float32))
     if arr.size and not np.isfinite(arr).all():
         bad = int(np.argwhere(~np.isfinite(arr))[0][0])
         raise InvalidRowsError(f"rows must be finite; row {bad} holds NaN or inf")

@@ -127,6 +127,11 @@ def _encode_int8(rows: np.ndarray, out: np.ndarray) -> None:
             scale = np.float32((np.float64(hi) - np.float64(lo)) / 255.0)
             if scale == 0:  # spread / 255 below float32's smallest step: the row is a few of those steps apart
                 scale = _MIN_SUBNORMAL
+            if np.float64(scale) * 255.0 < np.float64(hi) - np.float64(lo):
+                # rounded down (a subnormal scale is a whole number of 2**-149 steps: 300 steps / 255 -> 1):
+                # the top values would need q > 255 and be clamped, far outside the bound; one step up
+                # keeps q <= 255 and the error within spread / 510 plus half a step
+                scale = np.nextafter(scale, np.float32(np.inf))
             inv64 = 1.0 / np.float64(scale)
             for j in range(dim):
                 q64 = np.round((np.float64(rows[i, j]) - np.float64(lo)) * inv64)
