@@ -81,6 +81,7 @@ import numpy as np
 
 from embstore.arrays import Ids
 from embstore.config import PolicyKind, PolicySpec
+from embstore.errors import InvalidInputError
 from embstore.hash_index import EMPTY, fidx_get, fidx_insert, fidx_remove, fingerprint, fp_home, index_entries, \
     index_tagging, mix64
 from embstore.lookahead import (AMETA, A_CLOCK, A_FIRST, A_NANN, A_NOCC, A_NSEQ, A_ON, FIRST_RING, INF, NUSE, O_KEY, OCC,
@@ -656,6 +657,8 @@ class CacheDirectory:
         """The next batch not yet announced uses the *distinct* ``keys`` (``embstore.lookahead``): until
         ``advance`` passes it, rows are ranked by their next announced use."""
         keys = self._keys(keys)
+        if not self._limit and (keys == EMPTY).any():  # (with a key limit, _keys refused every key < 0)
+            raise ValueError(f"key {EMPTY} cannot be announced: it marks an empty entry of the occurrence map")
         if not self._ah[AMETA][A_ON]:
             self._ah = start_state(self.capacity, max(len(keys), FIRST_RING))
         self._ah = with_room(self._ah, len(keys))
@@ -764,6 +767,9 @@ def simulate(keys: Ids, batch_offsets: np.ndarray, capacity: int, policy: Policy
         ahead = int(announce)
         if ahead < 0:
             raise ValueError(f"announce must be >= 0 batches, got {announce}")
+        ahead = min(ahead, len(ann_off))  # told past the last batch is told to the end (and fits an int64)
+        if (ann_keys == EMPTY).any():  # the occurrence map would take it for a free entry: wrong hits
+            raise InvalidInputError(f"key {EMPTY} cannot be announced (it marks an empty entry); replay keys >= 0")
         window = ann_off[np.minimum(np.arange(len(ann_off)) + ahead + 1, len(ann_off) - 1)] - ann_off
         d._ah = start_state(d.capacity, int(window.max(initial=0)) + 1)
     hit = np.zeros(len(keys), np.bool_)

@@ -39,6 +39,7 @@ from embstore.config import RowDType
 from embstore.errors import IdOutOfRangeError, InvalidInputError, TierIOError
 from embstore.kernels import kernel_threads, pool_rows, unique_inverse_each
 from embstore.rows import FLOAT16_LIMIT
+from embstore.table import MAX_ANNOUNCED
 from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
 from embstore.training.optim import (DEFAULT_EPS, OptimConfig, apply_update, check_finite_gradient,
@@ -276,6 +277,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         ahead = _check_lookahead(announce, "announce")
         if self._all_rows_on_accelerator():
             k = 0  # nothing to fetch: every row is already where the step runs
+        if ahead and k + 1 + ahead > MAX_ANNOUNCED:  # refused now, not after reading that many batches
+            raise InvalidInputError(f"pipeline: announce={ahead} with lookahead={k} keeps {k + 1 + ahead} batches "
+                                    f"announced at once, more than a table keeps pending ({MAX_ANNOUNCED}); give "
+                                    f"announce <= {MAX_ANNOUNCED - 1 - k}")
         get = sparse or (lambda b: b)
         it = iter(batches)
         told: collections.deque[tuple[Any, Any]] = collections.deque()  # read and announced, not prefetched

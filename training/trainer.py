@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import embstore
 from embstore.atomic import atomic_file, atomic_write, copy_tree_durably
 from embstore.progress import progress_bar
+from embstore.table import MAX_ANNOUNCED
 from embstore.config import HashKind, StoreConfig, TableConfig, from_toml_file
 from embstore.errors import ConfigError, CorruptStoreError, EmbstoreError
 from embstore.files import not_a_regular_file, zip_crc_failure
@@ -227,6 +228,9 @@ class ScheduleConfig:
         for key in ("steps", "eval_every", "checkpoint_every", "lookahead", "announce", "seed"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"schedule.{key}", f"must be >= 0, got {getattr(self, key)}")
+        if self.announce and self.lookahead + 1 + self.announce > MAX_ANNOUNCED:  # what pipeline() refuses
+            raise ConfigError("schedule.announce", f"lookahead + announce + 1 must be at most {MAX_ANNOUNCED} "
+                              f"(the batches a table keeps announced), got {self.lookahead + 1 + self.announce}")
         if self.checkpoint_store not in ("copy", "in_place"):
             raise ConfigError("schedule.checkpoint_store", f"{self.checkpoint_store!r} is not 'copy' or 'in_place'")
         for key in ("dense_lr", "sparse_lr"):
