@@ -58,6 +58,7 @@ class HashKind(str, enum.Enum):
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+MAX_DIM = 65536  # values per row of a table (table.dim)
 _CAPACITY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -308,7 +309,7 @@ class TableConfig:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
             raise ConfigError("table.name", f"{self.name!r}: use 1-128 letters, digits, '_', '-' or '.', "
                                             "starting with a letter, digit or '_'")
-        for key, hi in (("num_embeddings", 2**62), ("dim", 65536)):
+        for key, hi in (("num_embeddings", 2**62), ("dim", MAX_DIM)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
                 raise ConfigError(f"table.{key}", f"must be an integer in [1, {hi}], got {v!r}")

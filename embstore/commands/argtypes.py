@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from pathlib import Path
 
 from embstore.config import parse_bytes
 from embstore.errors import ConfigError
@@ -72,3 +74,18 @@ def nonneg_byte_size(text: str) -> int:
     if _ZERO_SIZE.fullmatch(text):
         return 0
     return byte_size(text)
+
+
+def unwritable(path: str | os.PathLike[str]) -> str | None:
+    """Why no file can be created at ``path`` although its directory exists (a read-only file system, no
+    write permission), or None. The verbs check their outputs with this before work that may take
+    minutes, not when they write (and a read-only file system was then exit 1, as if the machine failed)."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir() or os.access(parent, os.W_OK | os.X_OK):
+        return None  # a missing directory is each verb's own check (and message)
+    try:
+        if os.statvfs(parent).f_flag & os.ST_RDONLY:
+            return f"{parent} is on a read-only file system"
+    except OSError:
+        pass
+    return f"no permission to write in {parent}"

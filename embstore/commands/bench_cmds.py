@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from embstore.atomic import atomic_write
+from embstore.commands.argtypes import unwritable
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "tools" / "bench"
 
@@ -44,6 +45,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
         # checked before the runs, which take minutes, rather than when their figures are written
         print(f"embstore bench: error: --json {args.json!r}: not a file in an existing directory", file=sys.stderr)
+        return 2
+    if args.json and (why := unwritable(args.json)) is not None:
+        print(f"embstore bench: error: --json: cannot write {args.json!r}: {why}", file=sys.stderr)
         return 2
     results, failed = {}, []
     for name in args.names or list(scripts):

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from embstore.commands.argtypes import nonneg_int, positive_int, share
+from embstore.commands.argtypes import nonneg_int, positive_int, share, unwritable
 from embstore.errors import ConfigError, EmbstoreError
 
 _FIT_HELP = """\
@@ -137,6 +137,8 @@ def run_fit(args: argparse.Namespace) -> int:
             raise _UsageError(f"--out: directory {str(out.parent)!r} does not exist")
         if out.is_dir():  # checked before the fit, which may take minutes
             raise _UsageError(f"--out: {str(out)!r} is a directory; name the mapping file to write")
+        if (why := unwritable(out)) is not None:
+            raise _UsageError(f"--out: cannot write {str(out)!r}: {why}")
         log(f"reading {trace_path}")
         ids, offsets, label = load_ids(trace_path, args.table, args.batch_size)
         if ids.size == 0:

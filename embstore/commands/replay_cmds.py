@@ -11,10 +11,10 @@ import numpy as np
 
 from embstore.atomic import atomic_file, atomic_write
 from embstore.progress import progress_bar
-from embstore.commands.argtypes import nonneg_byte_size, nonneg_int, positive_int
+from embstore.commands.argtypes import nonneg_byte_size, nonneg_int, positive_int, unwritable
 from embstore import costmodel, traces
 from embstore.belady import dedup_batches
-from embstore.config import PolicySpec, RowDType
+from embstore.config import MAX_DIM, PolicySpec, RowDType
 from embstore.errors import ConfigError, InvalidInputError
 from embstore.rows import RowFormat
 from embstore.simulator import miss_ratio_curve, replay_keys, table_keys
@@ -55,6 +55,23 @@ def _capacities(text: str) -> list[int | float]:
     return out
 
 
+def _dim(text: str) -> int:
+    """``tune --dim``: a table's dimension, refused as the flag before the trace is read (it was a
+    'config key table.dim' error once the whole tuning had run)."""
+    value = positive_int(text)
+    if value > MAX_DIM:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_DIM}], got {value}")
+    return value
+
+
+def _nonempty(trace: traces.Trace, path: str, verb: str) -> traces.Trace:
+    """A trace with no accesses has no hits to count nor caches to size: refused, not answered with zeros
+    (a replay of nothing, a store config from nothing)."""
+    if len(trace) == 0:
+        raise InvalidInputError(f"trace file {path!r} has no accesses; nothing to {verb}")
+    return trace
+
+
 def _check_output(path: str | None, flag: str, suffix: str | None = None) -> None:
     """Refuse an output path that cannot be written before the work, not after it (replay and tune
     take minutes on real traces)."""
@@ -68,6 +85,8 @@ def _check_output(path: str | None, flag: str, suffix: str | None = None) -> Non
         raise InvalidInputError(f"{flag}: {path!r} is a directory; name the file to write")
     if not p.resolve().parent.is_dir():
         raise InvalidInputError(f"{flag}: directory {str(p.parent)!r} does not exist")
+    if (why := unwritable(p)) is not None:
+        raise InvalidInputError(f"{flag}: cannot write {path!r}: {why}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -115,8 +134,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--device", type=nonneg_byte_size, default=0,
                    help="device (accelerator) budget, e.g. 256MiB (default 0: no device tier)")
     t.add_argument("--row-bytes", type=positive_int, default=None,
-                   help="bytes per float32 row, a multiple of 4 (instead of --dim; default: from --dim and --dtype)")
-    t.add_argument("--dim", type=positive_int, default=None, help="embedding dimension (default 64)")
+                   help=f"bytes per float32 row, a multiple of 4 up to {4 * MAX_DIM} (instead of --dim; default: from "
+                        "--dim and --dtype)")
+    t.add_argument("--dim", type=_dim, default=None, help=f"embedding dimension, at most {MAX_DIM} (default 64)")
     t.add_argument("--dtype", choices=[d.value for d in RowDType], default="float32",
                    help="row format of the tables; with --dim it sets the bytes per row (default float32)")
     t.add_argument("--policy", type=_policies, default=list(POLICIES),
@@ -151,7 +171,7 @@ def _simulated_rows(rows: int, unique: int) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     _check_output(args.plot, "--plot", ".png")
-    trace = traces.load(args.trace, batch_size=args.batch_size)
+    trace = _nonempty(traces.load(args.trace, batch_size=args.batch_size), args.trace, "replay")
     cost = costmodel.default_model()
     groups: list[tuple[str, np.ndarray, np.ndarray]] = []
     if args.per_table:
@@ -272,17 +292,17 @@ def _announce_note(k: int) -> str:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     _check_output(args.out, "--out")
-    trace = traces.load(args.trace, batch_size=args.batch_size)
-    if args.row_bytes is not None and args.dim is not None:
+    if args.row_bytes is not None and args.dim is not None:  # the flags are checked before the trace is read
         raise InvalidInputError("give --row-bytes or --dim (with --dtype), not both")
     if args.row_bytes is not None:
-        if args.dtype != "float32" or args.row_bytes % 4:
-            raise InvalidInputError("--row-bytes means float32 rows of row_bytes/4 values: give a multiple of 4 "
-                                    "(or use --dim with --dtype)")
+        if args.dtype != "float32" or args.row_bytes % 4 or args.row_bytes > 4 * MAX_DIM:
+            raise InvalidInputError(f"--row-bytes means float32 rows of row_bytes/4 values: give a multiple of 4 "
+                                    f"up to {4 * MAX_DIM} (or use --dim with --dtype), got {args.row_bytes}")
         dim = args.row_bytes // 4
     else:
         dim = args.dim or 64
     row_bytes = RowFormat(dim, RowDType(args.dtype)).row_bytes
+    trace = _nonempty(traces.load(args.trace, batch_size=args.batch_size), args.trace, "tune")
     cost = costmodel.default_model()
     runs = [args.announce] if args.announce is None else [args.announce, None]  # told: and the plan told nothing
     with progress_bar(total=len(runs) * trace.num_tables, desc="tune", unit="table", leave=False) as bar:

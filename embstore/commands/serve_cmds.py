@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 KEEP_ALIVE_S = 30  # idle keep-alive connections live this long; clients should drop theirs sooner
 MAX_BATCH_WAIT_MS = 100.0  # ServerSettings.batch_wait allows at most 0.1 s
+MAX_SECONDS = 86_400  # ServerSettings.request_timeout and flush_interval allow at most a day
 _log = logging.getLogger("embstore.server")
 
 
@@ -31,6 +32,15 @@ def batch_wait_ms(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
     if not 0 <= value <= MAX_BATCH_WAIT_MS:
         raise argparse.ArgumentTypeError(f"expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}], got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """``--request-timeout``, ``--flush-interval``: refused as the flag, not as the setting's key, when over a day
+    (or infinite)."""
+    value = nonneg_seconds(text)
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected seconds in [0, {MAX_SECONDS}], got {text!r}")
     return value
 
 
@@ -56,15 +66,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "more is answered 413 (default 1000000)")
     p.add_argument("--max-body-bytes", type=byte_size, default=64 << 20,
                    help="request body size, in bytes or like 64MiB; more is answered 413 (default 64MiB)")
-    p.add_argument("--request-timeout", type=nonneg_seconds, default=30.0,
-                   help="seconds before a request is answered 504; 0 = no limit (default 30)")
+    p.add_argument("--request-timeout", type=seconds, default=30.0,
+                   help="seconds before a request is answered 504; 0 = no limit (default 30, at most 86400)")
     p.add_argument("--no-durable-writes", dest="durable_writes", action="store_false",
                    help="answer a PUT when its rows are applied, before they are durable: faster writes, but a "
                         "crash loses those since the last flush")
-    p.add_argument("--flush-interval", type=nonneg_seconds, default=30.0,
+    p.add_argument("--flush-interval", type=seconds, default=30.0,
                    help="seconds between flushes of written rows into the tiers (each also empties the write-ahead "
                         "log, and commits the written tables' home indexes); 0 = only on shutdown and reload, the "
-                        "log growing until then; with --no-durable-writes, the window a crash can lose (default 30)")
+                        "log growing until then; with --no-durable-writes, the window a crash can lose (default 30, "
+                        "at most 86400)")
     p.add_argument("--batch-wait-ms", type=batch_wait_ms, default=0.0,
                    help="milliseconds an idle table waits for more lookups to read together; 0 = coalesce only "
                         "what queues up while a read runs (default 0, at most 100)")
@@ -86,11 +97,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         token = ServerSettings.read_token(args.token_file) if args.token_file else None
     except ConfigError as exc:  # named as the flag the user typed, not as a settings key
         raise InvalidInputError(f"--token-file: {exc.reason}") from None
-    settings = ServerSettings(store=store, token=token, max_ids=args.max_ids, max_body_bytes=args.max_body_bytes,
-                              request_timeout=args.request_timeout, durable_writes=args.durable_writes,
-                              flush_interval=args.flush_interval,
-                              batching=not args.no_batching, batch_wait=args.batch_wait_ms / 1000,
-                              pooled_cache_bytes=args.pooled_cache_bytes, freeze_gc=True)
+    try:
+        settings = ServerSettings(store=store, token=token, max_ids=args.max_ids, max_body_bytes=args.max_body_bytes,
+                                  request_timeout=args.request_timeout, durable_writes=args.durable_writes,
+                                  flush_interval=args.flush_interval,
+                                  batching=not args.no_batching, batch_wait=args.batch_wait_ms / 1000,
+                                  pooled_cache_bytes=args.pooled_cache_bytes, freeze_gc=True)
+    except ConfigError as exc:  # the flag the user typed, not the settings key ('a b' in the token file)
+        flag = "--token-file" if exc.key == "token" else f"--{exc.key.replace('_', '-')}"
+        what = f"the token in {args.token_file} " if exc.key == "token" else ""
+        raise InvalidInputError(f"{flag}: {what}{exc.reason}") from None
     with listen(args.host, args.port) as sock:
         opener = _FirstOpen(embstore.open(store))  # a store that cannot be opened: one line, before uvicorn
         try:

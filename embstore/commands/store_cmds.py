@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import embstore
-from embstore.commands.argtypes import nonneg_int
+from embstore.commands.argtypes import nonneg_int, unwritable
 from embstore.progress import progress_bar
 from embstore.bulk import export_rows, import_rows, npy_rows
 from embstore.errors import InvalidInputError
@@ -79,6 +79,8 @@ def check_export_target(store: str, file: str) -> None:
         raise InvalidInputError(f"{file} is a directory; name the .npy file to write")
     if not out.parent.is_dir():
         raise InvalidInputError(f"cannot write {file}: {out.parent} is not a directory")
+    if (why := unwritable(out)) is not None:
+        raise InvalidInputError(f"cannot write {file}: {why}")
     if out.resolve().is_relative_to(Path(store).resolve()):
         raise InvalidInputError(f"{file} is inside the store {store}; export to a file outside it")
 

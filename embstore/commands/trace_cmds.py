@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 from embstore.progress import progress_bar
-from embstore.commands.argtypes import nonneg_int, positive_int, share
+from embstore.commands.argtypes import nonneg_int, positive_int, share, unwritable
 from embstore import tracegen, traces
 from embstore.errors import InvalidInputError
 
@@ -75,6 +75,8 @@ def cmd_gen(args: argparse.Namespace) -> int:
     if out.is_dir() or not out.parent.is_dir():
         raise InvalidInputError(f"--out: cannot write {args.out}: "
                                 + ("it is a directory" if out.is_dir() else f"{out.parent} is not a directory"))
+    if (why := unwritable(out)) is not None:
+        raise InvalidInputError(f"--out: cannot write {args.out}: {why}")
     with progress_bar(total=args.batches, desc="trace gen", unit="batch") as bar:
         trace = tracegen.generate(args.like, zipf_alpha=args.zipf, batches=args.batches,
                                   batch_size=args.batch_size, tables=args.tables, ids=args.ids,
