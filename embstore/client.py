@@ -71,9 +71,12 @@ def _finite(values: Any, dtype: type, what: str, error: type[InvalidInputError])
     """``values`` as a ``dtype`` array of finite numbers, else ``error`` (JSON cannot carry NaN or inf,
     and the server refuses them anyway)."""
     try:
+        raw = np.asarray(values)
+        if raw.dtype.kind == "c":  # numpy would drop the imaginary part with only a warning
+            raise TypeError(f"complex values ({raw.dtype}) have no {np.dtype(dtype).name} form")
         with np.errstate(over="ignore"):
-            arr = np.asarray(values, dtype=dtype)
-    except (TypeError, ValueError) as exc:
+            arr = raw.astype(dtype, copy=False)
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: a Python int beyond float64
         raise error(f"{what} must be numbers: {exc}") from None
     if arr.size and not np.isfinite(arr).all():
         raise error(f"{what} must be finite {np.dtype(dtype).name} values; NaN, inf or a value beyond "
@@ -95,7 +98,7 @@ def bags(ids: Any, offsets: Any) -> list[list[int]]:
     arr, offs = _ids(ids), _ids(offsets, "offsets")
     if len(offs) == 0 or offs[0] != 0 or offs[-1] != len(arr) or (np.diff(offs) < 0).any():
         raise InvalidInputError(f"offsets must rise from 0 to len(ids) = {len(arr)} (num_bags + 1 entries)")
-    return [part.tolist() for part in np.split(arr, offs[1:-1])]
+    return [arr[a:b].tolist() for a, b in zip(offs[:-1].tolist(), offs[1:].tolist())]  # [0]: no bags
 
 
 def _bag_lists(table: str, value: Any) -> list[list[int]]:
