@@ -423,7 +423,7 @@ def _load_meta(p: Path, batch_size: int | None) -> Trace:
         raise InvalidInputError(f"trace file {str(p)!r}: indices and offsets must be 1-D, "
                                 f"got {indices.shape} and {offsets.shape}")
     T, B = (int(x) for x in lengths.shape)
-    indices = indices.astype(np.int64, copy=False)
+    indices = _int_array(indices, np.int64, "indices")  # uint64 ids past int64: refused, not wrapped negative
     offsets = offsets.astype(np.int64, copy=False)
     lens = lengths.reshape(-1).astype(np.int64)
     if offsets.size == T * B and (offsets.size == 0 or offsets[0] == 0):  # no trailing end offset
