@@ -467,6 +467,16 @@ def _load_meta(p: Path, batch_size: int | None) -> Trace:
 _CSV_INT = re.compile(r"[+-]?[0-9]+")
 
 
+def _csv_int(cell: str) -> int | None:
+    """A CSV cell's integer (ASCII digits, optionally signed, leading zeros allowed), or None. The
+    significant digits are counted first: int() refuses strings of over 4300 digits with a ValueError
+    of its own, and a cell of 25 characters may still hold a small id ("0000...07")."""
+    if not _CSV_INT.fullmatch(cell):
+        return None
+    digits = cell.lstrip("+-").lstrip("0") or "0"
+    return int(digits) * (-1 if cell[0] == "-" else 1) if len(digits) <= 20 else None
+
+
 def _load_csv(p: Path) -> Trace:
     """Read a CSV trace line by line (blank lines skipped); every error names the line it is about."""
 
@@ -499,12 +509,12 @@ def _load_csv(p: Path) -> Trace:
         out = np.empty(len(rows), dtype=dtype)
         for i, (row, n) in enumerate(zip(rows, lines)):
             cell = row[col]
-            # the length first: int() refuses strings of over 4300 digits with a ValueError of its own
-            if not (_CSV_INT.fullmatch(cell) and len(cell) <= 21 and info.min <= int(cell) <= info.max):
+            value = _csv_int(cell)
+            if value is None or not info.min <= value <= info.max:
                 shown = repr(cell) if len(cell) <= 40 else f"{cell[:40]!r}.. ({len(cell)} characters)"
                 raise bad(n, f"{what} {shown} is not an integer in the {info.dtype.name} range "
                              "(ASCII digits, optionally signed)")
-            out[i] = int(cell)
+            out[i] = value
         return out
 
     ids = ints(1, "id", np.int64)

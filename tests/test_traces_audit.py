@@ -356,6 +356,19 @@ def test_csv_header_only_and_blank_lines_are_an_empty_trace(tmp_path):
         _same(load(p), [], [], [0, 0], ("table_0",))
 
 
+def test_csv_ids_with_leading_zeros_load_as_their_value(tmp_path):
+    """A cell's length is not its magnitude: 25 characters of zeros and a 7 is id 7 (it was refused as
+    "not an integer in the int64 range"); 20 significant digits past int64 and 5,000 digits are still refused."""
+    p = tmp_path / "z.csv"
+    p.write_text("table,id\n0," + "0" * 24 + "7\n0,-00000000000000000000009223372036854775808\n0,+000\n")
+    t = load(p)
+    assert t.ids.tolist() == [7, I64[0], 0]
+    for cell in ("9223372036854775808", "0" * 30 + "9223372036854775808", "1" * 5000):
+        p.write_text(f"table,id\n0,{cell}\n")
+        with pytest.raises(InvalidInputError, match="int64 range"):
+            load(p)
+
+
 def _saved_npz() -> tuple[Trace, bytes]:
     t = Trace(np.array([5, 2**62, -3, 7, I64[0]]), np.array([0, 1, 1, 0, 2]), np.array([0, 1, 1, 5]),
               ("u", "i", "x"))
