@@ -38,7 +38,7 @@ from torch import nn
 from embstore.config import RowDType
 from embstore.errors import IdOutOfRangeError, InvalidInputError, TierIOError
 from embstore.kernels import kernel_threads, pool_rows, unique_inverse_each
-from embstore.rows import FLOAT16_LIMIT
+from embstore.rows import FLOAT16_LIMIT, RowFormat
 from embstore.table import MAX_ANNOUNCED
 from embstore.training._kernels import fused_bag_step, step_rows
 from embstore.training.batch import KeyedJaggedBatch, normalize
@@ -160,21 +160,22 @@ class TieredEmbeddingBagCollection(nn.Module):
         self.lookahead = int(lookahead)
         self.optim = OptimConfig(optimizer, float(lr), float(DEFAULT_EPS[optimizer] if eps is None else eps),
                                  float(betas[0]), float(betas[1]), float(weight_decay), adam_step)
-        self.tables = []
-        for name in self.table_names:
-            t = store[name]
-            self.tables.append(store.ensure_state_dim(name, state_dim(optimizer, t.format.dim)))
-        dims = {t.dim for t in self.tables}
+        found = [store[name] for name in self.table_names]  # every check before a table is re-laid out below
+        dims = {t.dim for t in found}
         if len(dims) != 1:
             raise InvalidInputError(f"all tables need the same dim for a (batch, tables, dim) output; got "
-                                    f"{ {t.name: t.dim for t in self.tables} }")
+                                    f"{ {t.name: t.dim for t in found} }")
         self.dim = dims.pop()
+        self.tables = [store.ensure_state_dim(t.name, state_dim(optimizer, t.format.dim)) for t in found]
         self.ws = [make_working_set(t) for t in self.tables]
         # where forward's output lives: the accelerator when any table's rows are on one (the bags of host
         # tables are copied over, as TorchRec does with tables offloaded to the CPU), else the CPU
         self.device = next((ws.device for ws in self.ws if ws.device.type != "cpu"), torch.device("cpu"))
         # float16 tables: the step refuses rows it would take beyond float16's range (see _step_table)
         self._row_limit = [FLOAT16_LIMIT if t.format.dtype is RowDType.FLOAT16 else None for t in self.tables]
+        # float16 / int8 tables: a stepped row is rounded to its table's format at once (see _round_to_format)
+        self._format = [None if t.format.dtype is RowDType.FLOAT32 else RowFormat(t.format.dim, t.format.dtype)
+                        for t in self.tables]
         self._lock = threading.RLock()
         self._pending: dict[int, _Batch] = {}  # seq -> batch not retired yet (prefetched or forwarded)
         self._queue: collections.deque[_Batch] = collections.deque()  # prefetched, not forwarded yet
@@ -554,17 +555,36 @@ class TieredEmbeddingBagCollection(nn.Module):
                 grad = grad.to(torch.float32).contiguous()
                 check_finite_gradient(grad, self.table_names[t])
                 skipped = self._step_table(batch, t, grad, bag_grad)
+                self._round_to_format(t, batch.slots[t])
                 ws.dirty[batch.slots[t]] = True
                 self._stepped(batch, t, skipped, len(batch.slots[t]))
         return step
 
+    def _round_to_format(self, t: int, slots: np.ndarray) -> None:
+        """Round table ``t``'s stepped rows to what its float16 / int8 format stores, as their write-back would.
+
+        The working set holds float32. Left unrounded, a row kept there from one step to the next (a later
+        batch in the look-ahead window uses it) trained on values the store never held, while one that left
+        in between was rounded: the trained numbers depended on ``lookahead``, on where a pipeline was cut,
+        and on a checkpoint (a flush) taken mid-window. Rounded here, every step reads its rows as stored."""
+        fmt = self._format[t]
+        if fmt is None or not len(slots):
+            return
+        ws = self.ws[t]
+        idx = torch.from_numpy(slots).to(ws.device)
+        if fmt.dtype is RowDType.FLOAT16:
+            ws.rows[idx] = ws.rows[idx].to(torch.float16).to(torch.float32)
+        else:
+            ws.rows[idx] = torch.from_numpy(fmt.decode(fmt.encode(ws.rows[idx].cpu().numpy()))).to(ws.device)
+
     def _check_step_order(self, batch: _Batch, t: int) -> None:
         """The protocol: one backward per forward, before the next forward."""
+        if t in batch.stepped:  # first: a batch whose last table stepped is retired too
+            raise RuntimeError("embstore: a second backward through the same forward; its rows took the "
+                               "first one's step only (call backward once per forward)")
         if batch.retired:
             raise RuntimeError("embstore: backward for a batch whose next forward already ran; "
                                "call backward once per forward, before the next forward")
-        if t in batch.stepped:
-            raise RuntimeError("embstore: a second backward through the same forward")
 
     def _stepped(self, batch: _Batch, t: int, skipped: int, rows: int) -> None:
         """Table ``t`` of ``batch`` is stepped: retire the batch after its last table, then report rows
