@@ -196,16 +196,18 @@ class Store:
 
         Training calls this so that one tier read or write moves a row and its
         optimizer state together. A table that already has that layout is
-        returned as is; an empty table (nothing ever written) is re-laid out in
-        place; a table holding rows in another layout is refused rather than
-        silently dropping its state (export and re-import it instead).
+        returned as is; an empty table (nothing ever written: its home holds no
+        row and no cache a dirty one; rows a lookup cached are initial values,
+        which the seed gives again) is re-laid out in place; a table holding rows
+        in another layout is refused rather than silently dropping its state
+        (export and re-import it instead).
         """
         table = self[name]
         if table.format.state_dim == state_dim:
             return table
         if state_dim < 0:
             raise ValueError(f"state_dim must be >= 0, got {state_dim}")
-        if any(t.resident_rows for t in table.hierarchy.tiers):
+        if table.hierarchy.home.resident_rows or any(c.dirty.any() for c in table.hierarchy.caches):
             raise TableExistsError(
                 f"table {name!r} holds rows with {table.format.state_dim} optimizer-state columns; training with "
                 f"this optimizer needs {state_dim}. Export its rows (embstore export), create a new store, and "

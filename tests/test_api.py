@@ -532,3 +532,26 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("home", ["ssd", "rocksdb", "mmap"])
+def test_a_table_only_read_can_still_be_laid_out_for_optimizer_state(tmp_path, home: str) -> None:
+    """Reading a fresh table caches its initial rows; that is not a write: training it afterwards
+    re-lays it out (it was refused as a table that "holds rows") and reads the same initial rows. A
+    written row, dirty in the cache or flushed home, still refuses the change."""
+    cfg = TableConfig("t", 50, 4, tiers=(TierConfig("dram", 20 * 16, "lru"), TierConfig(home)))
+    store = embstore.create(tmp_path / "s", StoreConfig((cfg,)))
+    ids = np.arange(0, 50, 3, dtype=np.int64)
+    before = store["t"].lookup(ids)
+    assert store["t"].hierarchy.caches[0].resident_rows > 0
+    t = store.ensure_state_dim("t", 1)
+    assert t.format.state_dim == 1
+    np.testing.assert_array_equal(t.lookup(ids), before)
+    t.update(ids[:2], np.ones((2, 4), np.float32))  # dirty in the cache only
+    with pytest.raises(embstore.TableExistsError, match="optimizer-state"):
+        store.ensure_state_dim("t", 2)
+    store.flush()  # now in the home, clean in the cache
+    with pytest.raises(embstore.TableExistsError, match="optimizer-state"):
+        store.ensure_state_dim("t", 2)
+    np.testing.assert_array_equal(store["t"].lookup(ids[:2]), np.ones((2, 4), np.float32))
+    store.close()
