@@ -45,7 +45,7 @@ class Mapper(abc.ABC):
 
     def combine(self, parts: Any) -> Any:
         """(n, rows_per_id, physical_dim) -> (n, dim); numpy or torch, differentiable."""
-        return parts.reshape(parts.shape[0], -1)
+        return parts.reshape(parts.shape[0], parts.shape[1] * parts.shape[2])  # no -1: n may be 0
 
 
 def check_int(value: Any, name: str, lo: int | None = None, hi: int | None = None) -> int:

@@ -47,6 +47,8 @@ from embstore.hashing.base import MAX_ROWS, Mapper, as_id_array, check_fraction,
 FORMAT = "embstore-learned-hash"
 VERSION = 1
 _TABLE_SALT = 0x7AB1E5EED  # the slot hash of the id table is independent of the user's seed
+_MAX_TOTAL = 2.0**63  # accesses (sum of counts) the fit accepts
+_MAX_VECTOR = 1e100  # |vector entry|: weight (< 2**63) * entry**2 stays far from float64's limit
 
 
 def _int_ids(a: Any, name: str) -> np.ndarray:
@@ -240,6 +242,12 @@ def _parse_input(trace_or_counts: Any, vectors: Any, batch_offsets: Any) -> tupl
         if (not isinstance(counts, np.ndarray) or counts.shape != ids.shape or counts.dtype.kind not in "iuf"
                 or (counts.size and (not np.isfinite(counts).all() or counts.min() < 0))):
             raise ConfigError("counts", f"must be a numpy array of {ids.shape[0]} finite counts >= 0")
+        # access counts: their total must be a number of accesses, not inf (the weighted sums of the fit
+        # and its log line would overflow: a raw OverflowError)
+        with np.errstate(over="ignore"):
+            total = float(np.sum(counts, dtype=np.float64)) if counts.size else 0.0
+        if not total < _MAX_TOTAL:
+            raise ConfigError("counts", f"must add up to fewer than 2**63 accesses, got {total:g}")
         if batch_offsets is not None:
             raise ConfigError("batch_offsets", "only applies to a trace, not to (ids, counts)")
         order = np.argsort(ids, kind="stable")
@@ -272,6 +280,8 @@ def _parse_input(trace_or_counts: Any, vectors: Any, batch_offsets: Any) -> tupl
         vectors = np.ascontiguousarray(vectors, np.float64)
         if not np.isfinite(vectors).all():
             raise ConfigError("vectors", "must be finite")
+        if vectors.size and float(np.abs(vectors).max()) > _MAX_VECTOR:  # the clustering's covariance overflows
+            raise ConfigError("vectors", f"entries must lie within +-{_MAX_VECTOR:g}, got {np.abs(vectors).max():g}")
     return uniq, counts, trace, inverse, vectors, batch_offsets
 
 

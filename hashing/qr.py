@@ -91,7 +91,9 @@ class QRHash(Mapper):
             return parts[:, 0] * parts[:, 1]
         if self.combine_kind == "add":
             return parts[:, 0] + parts[:, 1]
-        return parts.reshape(parts.shape[0], -1)
+        # explicit width, not -1: numpy and torch refuse to infer it for an empty batch (pooled lookups of
+        # only empty bags, an empty training batch)
+        return parts.reshape(parts.shape[0], parts.shape[1] * parts.shape[2])
 
     def __repr__(self) -> str:
         return f"QRHash(buckets={self.num_rows}, collisions={self.collisions}, combine={self.combine_kind!r})"
