@@ -398,7 +398,8 @@ class SyntheticClicks:
 
     def hidden_weight(self, table: int, ids: np.ndarray) -> np.ndarray:
         """The planted per-id weight (std 1), a pure function of (seed, table, id)."""
-        salt = _splitmix(np.array([self.seed * 1_000_003 + table], dtype=np.uint64))[0]
+        # mod 2**64: the same salt as ever for the seeds that fit, and a seed above ~2**44 no OverflowError
+        salt = _splitmix(np.array([(self.seed * 1_000_003 + table) % (1 << 64)], dtype=np.uint64))[0]
         u = (_splitmix(ids.astype(np.uint64) ^ salt) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
         return (u * 2.0 - 1.0) * math.sqrt(3.0)
 

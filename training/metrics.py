@@ -32,7 +32,7 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     y, s = _check(labels, scores)
     pos = y.sum()
     neg = len(y) - pos
-    if pos == 0 or neg == 0:
+    if pos == 0 or neg == 0 or np.isnan(s).any():  # a NaN score has no rank (argsort put it last: a number)
         return float("nan")
     order = np.argsort(s, kind="stable")
     ss = s[order]
@@ -54,7 +54,8 @@ def log_loss(labels: np.ndarray, probs: np.ndarray) -> float:
 def log_loss_logits(labels: np.ndarray, logits: np.ndarray) -> float:
     """Mean binary cross-entropy from logits, computed stably (softplus)."""
     y, z = _check(labels, logits)
-    return float((np.logaddexp(0.0, z) - y * z).mean())
+    # softplus(-z) for a click, softplus(z) for none: exact for z = +-inf too (softplus(z) - y * z was inf - inf)
+    return float(np.where(y == 1, np.logaddexp(0.0, -z), np.logaddexp(0.0, z)).mean())
 
 
 def entropy(rate: float) -> float:
@@ -83,9 +84,9 @@ class EvalResult:
 def evaluate(labels: np.ndarray, logits: np.ndarray) -> EvalResult:
     """All metrics from labels and raw logits."""
     y, z = _check(labels, logits)
-    p = 1.0 / (1.0 + np.exp(-z))
     ll = log_loss_logits(y, z)
-    return EvalResult(auc(y, p), ll, ll / entropy(float(y.mean())), len(y), float(y.mean()))
+    # AUC of the logits: sigmoid is monotonic, but saturates (z > 37 all become 1.0), making false ties
+    return EvalResult(auc(y, z), ll, ll / entropy(float(y.mean())), len(y), float(y.mean()))
 
 
 __all__ = ["EvalResult", "auc", "entropy", "evaluate", "log_loss", "log_loss_logits", "normalized_entropy"]

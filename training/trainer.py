@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import time
@@ -231,6 +232,8 @@ class ScheduleConfig:
         if self.announce and self.lookahead + 1 + self.announce > MAX_ANNOUNCED:  # what pipeline() refuses
             raise ConfigError("schedule.announce", f"lookahead + announce + 1 must be at most {MAX_ANNOUNCED} "
                               f"(the batches a table keeps announced), got {self.lookahead + 1 + self.announce}")
+        if self.seed >= 1 << 64:  # torch.manual_seed's limit (TOML integers are not bounded by the parser)
+            raise ConfigError("schedule.seed", f"must be below 2**64, got {self.seed}")
         if self.checkpoint_store not in ("copy", "in_place"):
             raise ConfigError("schedule.checkpoint_store", f"{self.checkpoint_store!r} is not 'copy' or 'in_place'")
         for key in ("dense_lr", "sparse_lr"):
@@ -361,11 +364,24 @@ def build_store(cfg: TrainConfig, out: Path, ctx: DistContext, resume: bool) -> 
     tables = tuple(hashless(t) for t in cfg.store.tables) if ctx.enabled else cfg.store.tables
     ckpt = latest_checkpoint(out) if resume else None
     if ckpt is not None and (ckpt / _store_name(ctx)).exists():
+        # the live store is set aside, not deleted, until the restored copy opens and the checkpoint's state
+        # fits the model (train() then drops it, or puts it back: a refused resume leaves it as it was)
+        src, aside = ckpt / _store_name(ctx), _aside(path)
         if path.exists():
-            shutil.rmtree(path)
+            if aside.exists():  # a resume died restoring: `aside` is the live store, `path` a partial copy
+                shutil.rmtree(path)
+            else:
+                os.replace(path, aside)
         path.parent.mkdir(parents=True, exist_ok=True)
-        copy_tree_durably(ckpt / _store_name(ctx), path)
-        return embstore.open(path), path
+        try:
+            copy_tree_durably(src, path)
+            return embstore.open(path), path
+        except BaseException as exc:
+            _put_back(path)
+            if isinstance(exc, EmbstoreError):  # the copy's files are the checkpoint's: name those
+                raise CorruptStoreError(f"checkpoint {str(src)!r} holds a store that cannot be opened: "
+                                        f"{str(exc).replace(str(path), str(src))}") from exc
+            raise
     if resume and ckpt is not None:  # checkpoint_store = "in_place": the store is the checkpoint
         return embstore.open(path), path
     if resume:
@@ -374,6 +390,27 @@ def build_store(cfg: TrainConfig, out: Path, ctx: DistContext, resume: bool) -> 
         raise ConfigError("store.path", f"{str(path)!r} already exists; pass --resume to continue or a new --out")
     path.parent.mkdir(parents=True, exist_ok=True)
     return embstore.create(path, StoreConfig(tables)), path
+
+
+def _aside(path: Path) -> Path:
+    return path.with_name(f".{path.name}.before_resume")
+
+
+def _put_back(path: Path) -> None:
+    """Undo a restore from a checkpoint's store copy: the live store set aside goes back (none: none)."""
+    shutil.rmtree(path, ignore_errors=True)
+    if _aside(path).exists():
+        os.replace(_aside(path), path)
+
+
+def _drop_aside(path: Path) -> None:
+    """The restore stands: delete the live store set aside (renamed first, so a crash mid-delete leaves no
+    half-deleted store under the name a later resume would put back)."""
+    aside, trash = _aside(path), path.with_name(f".{path.name}.discarded")
+    if aside.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(aside, trash)
+        shutil.rmtree(trash)
 
 
 def build_model(cfg: TrainConfig, store: embstore.Store, num_dense: int, ctx: DistContext) -> DLRM:
@@ -405,6 +442,23 @@ def local_part(batch: ClickBatch, ctx: DistContext,
     return batch.dense[lo:lo + per].to(device), batch.labels[lo:lo + per].to(device)
 
 
+_NO_HELD_OUT = ("the held-out split has no samples to evaluate on (check eval_paths, holdout_every and "
+                "eval_max_batches against the data)")
+
+
+def check_data(data: Batches) -> None:
+    """Refuse Criteo files without one usable sample in either split before a store is made (an empty or
+    all-malformed train file "trained 0 steps" and exited 0). Reads until the first batch of each: one chunk."""
+    if data.reader is None:
+        return  # synthetic: train_batches and eval_batches are >= 1
+    if next(iter(data.holdout()), None) is None:
+        raise ConfigError("data", _NO_HELD_OUT)
+    if next(data.reader.iter_batches(), None) is None:
+        st = data.reader.stats
+        raise ConfigError("data.train_paths", f"the training split has no samples ({st.lines} lines, "
+                                              f"{st.malformed} malformed, {st.blank} blank)")
+
+
 @torch.no_grad()
 def run_eval(model: DLRM, batches: Iterator[ClickBatch], ctx: DistContext) -> EvalResult:
     """Metrics over the held-out split (every rank's slice gathered when distributed)."""
@@ -416,8 +470,7 @@ def run_eval(model: DLRM, batches: Iterator[ClickBatch], ctx: DistContext) -> Ev
         labels.append(y)
     model.train()
     if not logits:
-        raise ConfigError("data", "the held-out split has no samples to evaluate on (check eval_paths, "
-                                  "holdout_every and eval_max_batches against the data)")
+        raise ConfigError("data", _NO_HELD_OUT)
     z, y = torch.cat(logits), torch.cat(labels)
     if ctx.enabled:
         import torch.distributed as dist
@@ -616,20 +669,29 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     data = Batches(cfg, ctx.world)
     ckpt = latest_checkpoint(out) if resume else None
     state = read_checkpoint(ckpt / f"rank{ctx.rank}.pt") if ckpt is not None else None  # before the store moves
+    if ckpt is None:
+        check_data(data)
     store, store_path = build_store(cfg, out, ctx, resume)
-    model = build_model(cfg, store, data.num_dense, ctx)
-    dense_params = model.dense_parameters()
-    opt = dense_optimizer(cfg.model.dense_optimizer, dense_params, sched.dense_lr)
+    restored = ckpt is not None and (ckpt / _store_name(ctx)).exists()  # the store is the checkpoint's copy
+    model: DLRM | None = None
+    try:
+        model = build_model(cfg, store, data.num_dense, ctx)
+        dense_params = model.dense_parameters()
+        opt = dense_optimizer(cfg.model.dense_optimizer, dense_params, sched.dense_lr)
+        if ckpt is not None and state is not None:
+            _restore(ckpt / f"rank{ctx.rank}.pt", state, model, opt)
+    except BaseException:  # another config's checkpoint: the live store goes back as it was
+        if model is not None:
+            model.sparse_arch.ebc.release()
+        store.close()
+        if restored:
+            _put_back(store_path)
+        raise
+    if restored:
+        _drop_aside(store_path)
     result = TrainResult()
 
     if ckpt is not None and state is not None:
-        try:
-            _restore(ckpt / f"rank{ctx.rank}.pt", state, model, opt)
-        except BaseException:
-            ebc = model.sparse_arch.ebc
-            ebc.release()
-            store.close()
-            raise
         result.step, result.losses = state["step"], list(state["losses"])
         result.evals = [(s, EvalResult(**e)) for s, e in state["evals"]]
         result.resumed_from = result.step
