@@ -306,7 +306,7 @@ class TableConfig:
     _ALLOWED = {"name", "num_embeddings", "dim", "dtype", "init", "hash", "tiers"}
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):  # match: '$' passed 't\n'
             raise ConfigError("table.name", f"{self.name!r}: use 1-128 letters, digits, '_', '-' or '.', "
                                             "starting with a letter, digit or '_'")
         for key, hi in (("num_embeddings", 2**62), ("dim", MAX_DIM)):

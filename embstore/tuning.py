@@ -32,7 +32,7 @@ the device budget). On DLRM-sized rows
 (68 bytes) the metadata is as large as the rows, so a budget counted in row
 bytes alone would be overrun up to 2x (``metadata_in_budget=False`` counts
 rows only, as the recorded DLRM benchmark did). The ``log`` layout's slot maps
-are taken only while they fit in a quarter of the DRAM budget; otherwise every
+are taken only while they fit in a quarter of the DRAM budget (and beside the RocksDB homes' floors); otherwise every
 ssd home is ``in_place`` (a bit per row instead of 4 bytes). A store that will
 only serve lookups (``read_only``) writes nothing back: its homes stay
 ``in_place`` and the caches get those bytes.
@@ -399,11 +399,13 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
     # slot maps for every ssd home, or for none (per table, most write-backs per map byte first, measured
     # no better on the DLRM shape: BENCHMARKS, session 8)
     maps = sum(home_index_bytes("ssd", "log", d[4] + 1, row_bytes) for d in data if d[7] == "ssd")
-    use_log = row_bytes <= 2048 and not read_only and (not metadata_in_budget or maps <= dram_bytes // 4)
-    homes = sum(home_index_bytes(d[7], "log" if use_log else "in_place", d[4] + 1, row_bytes)
-                for d in data if d[7] != "rocksdb")
     # rocksdb homes: their floors, then their tables' slices of what is left (module doc)
     floors = sum(RocksDBTier.dram_bytes(*rocksdb_sizes(0, 0.0, d[3], row_bytes)) for d in data if d[7] == "rocksdb")
+    # the maps must fit beside the rocksdb floors too: else a budget in_place homes fit was overrun
+    use_log = row_bytes <= 2048 and not read_only and (
+        not metadata_in_budget or (maps <= dram_bytes // 4 and maps + floors <= dram_bytes))
+    homes = sum(home_index_bytes(d[7], "log" if use_log else "in_place", d[4] + 1, row_bytes)
+                for d in data if d[7] != "rocksdb")
 
     # device caches next: their rows go to the device budget, their directories to the DRAM left after
     # the homes (a device budget far above the DRAM one must not buy directories DRAM cannot hold)
