@@ -36,10 +36,12 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
         what = "an empty file" if not head else "no .npy header (numpy.save writes one)"
         raise InvalidInputError(f"{path}: not a readable .npy array ({what})")
     try:
-        data = np.load(path, mmap_mode="r", allow_pickle=False)
+        with np.errstate(over="ignore"):  # numpy.memmap multiplies a huge header shape in C longs: warns
+            data = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         raise
-    except NPY_READ_ERRORS as exc:  # EOFError: an empty file; TokenError, SyntaxError: a damaged header
+    except (*NPY_READ_ERRORS, OverflowError) as exc:  # EOFError: an empty file; TokenError, SyntaxError: a
+        # damaged header; OverflowError: a header dimension past a C long (2**64 rows)
         raise InvalidInputError(f"{path}: not a readable .npy array ({type(exc).__name__}: {exc})") from exc
     if not isinstance(data, np.ndarray):  # np.load opens any zip (.npz, torch.save) as an NpzFile
         data.close()
