@@ -191,15 +191,17 @@ def load_model(store: Store, name: str) -> DLRM:
                  spec.over_arch, spec.interaction, spec.dcn_layers, spec.dcn_low_rank)
     model.load_state_dict(dense, strict=False)  # checked above; not strict: the rows live in the store
     model.spec = spec  # type: ignore[attr-defined]
-    return model.eval()
+    # the dense layers run where the bags come out (a device tier's accelerator), as the trainer's build_model
+    return model.to(ebc.device).eval()
 
 
 @torch.no_grad()
 def predict(model: DLRM, dense: torch.Tensor, ids: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
-    """Click probabilities, shape (batch,)."""
+    """Click probabilities, shape (batch,), on the CPU (``dense`` may be on any device)."""
     spec: ModelSpec = model.spec  # type: ignore[attr-defined]
     if dense.ndim != 2 or dense.shape[1] != spec.dense_in_features:
         raise InvalidInputError(f"dense must have shape (batch, {spec.dense_in_features}), got {tuple(dense.shape)}")
     if not torch.isfinite(dense).all():
         raise InvalidInputError("dense features must be finite")
-    return torch.sigmoid(model(dense.to(torch.float32), ids, offsets))
+    device = model.sparse_arch.ebc.device  # where load_model put the dense layers
+    return torch.sigmoid(model(dense.to(device, torch.float32), ids, offsets)).cpu()
