@@ -55,17 +55,7 @@ def make_store(path: Path) -> None:
     embstore.create(path, cfg).close()
 
 
-class ErrorRecords(logging.Handler):
-    """Records logged at ERROR, or with a traceback, while the module's server runs: a client causes none."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno >= logging.ERROR or record.exc_info:
-            self.records.append(record)
-
+from test_server_fuzz import ErrorRecords  # noqa: E402  (the fuzz suite's recorder)
 
 ERRORS = ErrorRecords()
 
