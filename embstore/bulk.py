@@ -2,7 +2,12 @@
 
 ``import_rows`` checks the whole file (shape, dtype, finiteness) before it
 writes a single row, so a bad file leaves the table unchanged. Rows land
-through the hierarchy and are flushed at the end.
+through the hierarchy and the store is flushed at the end (``Table.flush_durable``:
+its write-ahead log too, whose older writes a crash would otherwise replay over
+the imported rows). Imported rows get fresh optimizer state (zeros, as a
+never-trained row has); the table's other rows keep theirs. Chunks are bounded
+in rows and in bytes, so the widest table (65,536 values a row) still moves in
+chunks of about ``CHUNK_BYTES``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from embstore.errors import InvalidInputError, InvalidRowsError
 from embstore.files import NPY_READ_ERRORS, check_regular_file
 from embstore.table import Table
 
-CHUNK_ROWS = 1 << 16
+CHUNK_ROWS = 1 << 16  # rows per chunk at most (a narrow table's chunk)
+CHUNK_BYTES = 64 << 20  # float32 bytes per chunk at most: 65,536 rows of the widest table would be 16 GiB
 MAX_EXPORT_ROWS = 1 << 31
 
 Progress = Callable[[int], None]
@@ -72,9 +78,10 @@ def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress:
     if start < 0 or start + n > table.num_rows:
         raise InvalidInputError(f"{path}: rows {start}..{start + n - 1} do not fit table {table.name!r} "
                                 f"of {table.num_rows} rows")
-    for lo in range(0, n, CHUNK_ROWS):  # validate everything before the first write
+    step = chunk_rows(table)
+    for lo in range(0, n, step):  # validate everything before the first write
         with np.errstate(over="ignore"):  # a float64 beyond float32's range turns inf, refused just below
-            chunk = np.asarray(data[lo:lo + CHUNK_ROWS], dtype=np.float32)
+            chunk = np.asarray(data[lo:lo + step], dtype=np.float32)
         if not np.isfinite(chunk).all():
             bad = lo + int(np.argwhere(~np.isfinite(chunk))[0][0])
             raise InvalidRowsError(f"{path}: row {bad} holds NaN or inf (or overflows float32); nothing imported")
@@ -84,13 +91,20 @@ def import_rows(table: Table, path: str | os.PathLike, start: int = 0, progress:
             bad = lo + _first_refused_row(table, chunk)
             reason = str(exc).split("; row ")[0]  # its row number counts from the chunk, not the file
             raise InvalidRowsError(f"{path}: row {bad}: {reason}; nothing imported") from None
-    for lo in range(0, n, CHUNK_ROWS):
-        chunk = np.ascontiguousarray(data[lo:lo + CHUNK_ROWS], dtype=np.float32)
+    for lo in range(0, n, step):
+        chunk = np.ascontiguousarray(data[lo:lo + step], dtype=np.float32)
         table.write_physical(np.arange(start + lo, start + lo + len(chunk), dtype=np.int64), chunk)
         if progress:
             progress(len(chunk))
-    table.flush()
+    table.flush_durable()
     return n
+
+
+def chunk_rows(table: Table) -> int:
+    """Rows per chunk of an import or export: at most ``CHUNK_ROWS`` and ``CHUNK_BYTES`` of float32 rows
+    (with their optimizer state, which a write encodes beside them), and at least one."""
+    row_bytes = 4 * (table.format.dim + table.format.state_dim)
+    return max(1, min(CHUNK_ROWS, CHUNK_BYTES // row_bytes))
 
 
 def _first_refused_row(table: Table, chunk: np.ndarray) -> int:
@@ -120,8 +134,9 @@ def export_rows(table: Table, path: str | os.PathLike, rows: int | None = None,
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")), "fortran_order": False,
                   "shape": (n, table.format.dim)}
         np.lib.format.write_array_header_1_0(f, header)
-        for lo in range(0, n, CHUNK_ROWS):
-            ids = np.arange(lo, min(n, lo + CHUNK_ROWS), dtype=np.int64)
+        step = chunk_rows(table)
+        for lo in range(0, n, step):
+            ids = np.arange(lo, min(n, lo + step), dtype=np.int64)
             f.write(np.ascontiguousarray(table.read_physical(ids), "<f4").tobytes())
             if progress:
                 progress(len(ids))

@@ -219,7 +219,9 @@ def _holdout(size: DemoSize, cfg: Any) -> dict[str, Any]:
             k = min(256, batch.size)
             head_offsets = [o[:k + 1].numpy() for o in batch.offsets]
             head_ids = [i[:int(o[-1])].numpy() for i, o in zip(batch.ids, head_offsets)]
-        dense.append(batch.dense.numpy())
+        # a client sends raw features (predict applies the model's log1p, as training's reader did):
+        # the synthetic source's features are log1p of raw values, so expm1 gives them back
+        dense.append(np.expm1(batch.dense.numpy().astype(np.float64)))
         labels.append(batch.labels.numpy())
         for (name, *_), ids, offsets in zip(_tables(size), batch.ids, batch.offsets):
             sparse[name].extend(bags(ids.numpy(), offsets.numpy()))

@@ -11,6 +11,13 @@ Recorders nest: one attached inside another's block feeds the outer one too.
 Training (``TieredEmbeddingBagCollection``) records each batch's distinct rows
 per table as it enters the look-ahead window: what the model reads, above its
 working set (so per-tier counts of a training run are not reproduced).
+
+What is traffic: ``lookup`` / ``lookup_pooled`` (the server's included) and
+training batches (``predict`` included). Not: ``read_physical`` and
+``read_with_state`` (bulk export scans every row once, which is no workload to
+tune caches for; training's fetches through them are already its batch, so
+recording them would count those rows twice), writes, and calls of no ids
+(they would add empty batches).
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ class TraceRecorder:
         self._prev: dict[str, Any] = {}  # each table's recorder before this one: still fed, restored on detach
 
     def __call__(self, table_name: str, rows: np.ndarray) -> None:
+        if len(rows) == 0:  # nothing reached the tiers (a pooled call of only empty bags): no batch, as lookup()
+            return
         if self._attached:
             with self._lock:
                 self._ids.append(np.array(rows, dtype=np.int64, copy=True).reshape(-1))

@@ -33,12 +33,12 @@ from embstore.arrays import Ids
 from embstore.belady import _as_keys, belady_hits, belady_mrc, dedup_batches
 from embstore.config import PolicySpec
 from embstore.errors import InvalidInputError
-from embstore.policies import simulate
+from embstore.policies import CacheDirectory, simulate
 from embstore.stackdist import lru_mrc
 from embstore.traces import Trace, dense_keys
 
-__all__ = ["LevelResult", "ReplayResult", "demand_misses", "miss_ratio_curve", "replay", "replay_keys",
-           "replay_trace", "table_keys", "window_unique"]
+__all__ = ["LevelResult", "ReplayResult", "demand_misses", "miss_ratio_curve", "pipeline_accesses", "replay",
+           "replay_keys", "replay_trace", "simulate_pipeline", "table_keys", "window_unique"]
 
 Offsets = npt.NDArray[np.int64]
 
@@ -193,6 +193,75 @@ def replay_keys(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[Policy
     dm = demand_misses(k0, off0, miss0, cap0, lookahead) if lv else int(k0.size)
     return ReplayResult(int(k0.size), int(off0.size - 1), tuple(results), int(keys.size), dm, lookahead, row_bytes,
                         {"announce": announce} if announce is not None else {})
+
+
+def pipeline_accesses(keys: Ids, batch_offsets: Offsets, lookahead: int,
+                      trained: bool = True) -> list[tuple[Ids, Ids, Ids]]:
+    """What a training pipeline with ``lookahead=k`` has one table's store do, per batch of its trace.
+
+    ``TieredEmbeddingBagCollection.pipeline`` keeps every row of the batches
+    in its window in a working set, so the store does not see the trace: batch
+    ``j``'s fetch reads only its rows none of batches ``j-k .. j-1`` uses
+    (first-occurrence order), and once batch ``b`` is trained its rows no
+    batch ``b+1 .. b+k`` uses are written back (in key order; with
+    ``trained=False`` nothing is dirty, nothing written). The store sees them
+    in the order of the pipeline's prefetch thread: fetch ``j``, then the
+    write-back of batch ``j-k``, then fetch ``j+1``. Per batch ``j``:
+    ``(told, read, written)``; ``told`` is what ``pipeline(announce=A)`` tells
+    the tables for batch ``j`` (the rows read). Write-backs after the last
+    fetch are left out: they change no read's hit.
+    """
+    check_batches(lookahead, "lookahead")
+    keys, off = dedup_batches(keys, batch_offsets)
+    batches = [keys[off[j]:off[j + 1]] for j in range(off.size - 1)]
+    k = int(lookahead)
+    out = []
+    for j, b in enumerate(batches):
+        before = batches[max(0, j - k):j]
+        read = b[~np.isin(b, np.concatenate(before))] if before else b
+        written = np.empty(0, np.int64)
+        if trained and j >= k:
+            gone = batches[j - k]
+            after = batches[j - k + 1:j + 1]
+            written = np.sort(gone[~np.isin(gone, np.concatenate(after))] if after else gone)
+        out.append((read, read, written))
+    return out
+
+
+def simulate_pipeline(keys: Ids, batch_offsets: Offsets, capacity: int, policy: PolicySpec | str, *,
+                      lookahead: int, announce: int | None = None, trained: bool = True) -> npt.NDArray[np.bool_]:
+    """Hit mask of the reads (``pipeline_accesses``, concatenated) of a table's top cache level under a
+    training pipeline with ``lookahead=k`` and ``announce=A`` (``None`` or 0: told nothing, as the pipeline).
+
+    What ``pipeline(batches, lookahead=k, announce=A)`` counts in that level's ``stats()`` hits, exactly
+    (``tests/test_lookahead_clock_audit.py``); ``replay --announce`` models a store whose every batch is
+    read whole, as lookups do. Lower levels also take the dirty rows the top one evicts: not modelled.
+    One directory call per read and per write-back, as the store makes (not a numba pass over the trace).
+    """
+    spec = PolicySpec.parse(policy)
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
+        raise InvalidInputError(f"capacity must be an integer >= 0 rows, got {capacity!r}")
+    check_batches(announce, "announce", allow_none=True)
+    steps = pipeline_accesses(keys, batch_offsets, lookahead, trained)
+    reads = [r for _, r, _ in steps]
+    if capacity == 0 or not steps:
+        return np.zeros(sum(r.size for r in reads), np.bool_)
+    every = np.concatenate([np.concatenate([r, w]) for _, r, w in steps])
+    limit = int(every.max()) + 1 if every.size else 1
+    d = CacheDirectory(min(int(capacity), max(1, np.unique(every).size)), spec, key_limit=limit)
+    ahead = announce or 0  # the pipeline tells nothing with announce=0
+    told = 0
+    hits = []
+    for j, (_, read, written) in enumerate(steps):
+        if ahead and j:
+            d.advance()
+        while ahead and told <= j + ahead and told < len(steps):
+            d.announce(steps[told][0])
+            told += 1
+        hits.append(d.access(read).hit if read.size else np.zeros(0, np.bool_))
+        if written.size:
+            d.access(written)
+    return np.concatenate(hits)
 
 
 def table_keys(trace: Trace, table: int) -> tuple[Ids, Offsets]:

@@ -111,7 +111,8 @@ class Store:
         if cfg.hash.kind is not HashKind.NONE:
             from embstore.hashing import build_hash
 
-            mapper = build_hash(cfg.hash, cfg.num_embeddings, self.path)
+            mapper = build_hash(cfg.hash, cfg.num_embeddings, self.path, table=cfg.name,
+                                store_tables={t.name for t in self.config.tables} | {cfg.name})
         dim = mapper.physical_dim(cfg.dim) if mapper is not None else cfg.dim
         fmt = RowFormat(dim, cfg.dtype, int(entry.get("state_dim", 0)))
         num_rows = mapper.num_rows if mapper is not None else cfg.num_embeddings
@@ -124,6 +125,7 @@ class Store:
             _clear_tier_files(table_dir)
         caches, home = build_tiers(cfg.tiers, fmt.row_bytes, num_rows, table_dir)
         table = Table(cfg, fmt, Hierarchy(caches, home, lambda ids: _initial(cfg, fmt, ids)), mapper)
+        table.store_flush = self.flush  # an import's flush must also retire the log's older writes
         if relayout:
             try:
                 _drop_relayout_mark(table_dir)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class Table:
         self.lookups = 0  # ids looked up (before dedup) by calls that answered
         self.recorder: Any | None = None  # optional access recorder (trace capture)
         self.announced = 0  # batches announced and not yet advanced past
+        self.store_flush: Callable[[], None] | None = None  # its Store's flush, set by the Store (flush_durable)
 
     @property
     def name(self) -> str:
@@ -224,7 +225,8 @@ class Table:
                     and rows is arr):
                 idx = ids.detach().contiguous()  # unhashed ids already on the device: no second copy over
             else:
-                idx = torch.from_numpy(rows).to(top.device)
+                # a read-only array (a server's binary request parsed in place) makes torch warn: copy it
+                idx = torch.from_numpy(rows if rows.flags.writeable else rows.copy()).to(top.device)
         top.counters.hits += n
         top.counters.bytes_read += n * top.row_bytes
         return idx, len(idx), isinstance(ids, torch.Tensor)
@@ -342,14 +344,31 @@ class Table:
         """
         arr, _ = as_ids(ids)
         with self._lock:
-            self._check_open()
-            if self.announced >= MAX_ANNOUNCED:
-                raise InvalidInputError(f"table {self.name!r}: {self.announced} announced batches are pending; "
-                                        "call advance() after each announced batch is read")
-            rows = self.physical_rows(arr).reshape(-1)  # validated even when no cache ranks them
-            if self.hierarchy.ranks_announced:
-                self.hierarchy.announce(unique_inverse(rows)[0])
-            self.announced += 1
+            self._check_room()
+            self._announce(self.physical_rows(arr).reshape(-1))  # validated even when no cache ranks them
+
+    def announce_rows(self, rows: Any) -> None:
+        """``announce`` by physical row ids (after hashing), in the order they will be read.
+
+        What a training pipeline tells: its working set already holds a batch's rows that the batches
+        before it use, so it reads (and announces) only the others (``TieredEmbeddingBagCollection.pipeline``).
+        """
+        arr = self._physical_ids(rows, distinct=False)
+        with self._lock:
+            self._check_room()
+            self._announce(arr)
+
+    def _check_room(self) -> None:
+        self._check_open()
+        if self.announced >= MAX_ANNOUNCED:
+            raise InvalidInputError(f"table {self.name!r}: {self.announced} announced batches are pending; "
+                                    "call advance() after each announced batch is read")
+
+    def _announce(self, rows: Ids) -> None:
+        """Tell the caches the distinct ``rows`` (first-occurrence order) as the next batch (lock held)."""
+        if self.hierarchy.ranks_announced:
+            self.hierarchy.announce(unique_inverse(rows)[0])
+        self.announced += 1
 
     def advance(self) -> bool:
         """The oldest announced batch has been read (its announced uses no read spent are dropped); False
@@ -470,6 +489,15 @@ class Table:
         with self._lock:
             self._check_open()
             self.hierarchy.flush()
+
+    def flush_durable(self) -> None:
+        """Make every write so far durable and final: the store's flush when the table belongs to one. A
+        flush of this table alone leaves older writes of its rows in the store's write-ahead log, which the
+        open after a crash replays over newer ones (a bulk import's)."""
+        if self.store_flush is None:
+            self.flush()
+        else:
+            self.store_flush()
 
     def close(self) -> None:
         with self._lock:

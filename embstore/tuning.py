@@ -79,6 +79,16 @@ hold), which the budget pays beside the directory (``look_ahead`` in
 dlrm2021-like trace no told plan beat the one told nothing at equal bytes
 (BENCHMARKS.md), which is why the CLI prints both. A store that only serves
 lookups is told nothing: tune it without ``announce``.
+
+Where the device tier lives (``device_in_host``): on a machine where torch
+sees no GPU, a ``device`` tier is a torch tensor in host memory, so its rows
+take DRAM like a ``dram`` cache's. ``device_in_host=True`` (what ``embstore
+tune`` passes there) plans them inside the DRAM budget as well: a device cache
+grows only while its rows *and* directory fit in the DRAM the homes leave,
+the DRAM caches get what is left after them, and ``dram_breakdown`` counts
+them (a ``device_rows`` entry, there only then). ``device_bytes`` still caps
+them. Without it (the default, a planned GPU) the device budget is memory of
+its own.
 """
 
 from __future__ import annotations
@@ -151,6 +161,7 @@ class TuneResult:
     cost: CostModel
     extra: dict[str, Any] = field(default_factory=dict)
     announce: int | None = None  # batches the caches are told ahead (a training pipeline's announce=K)
+    device_in_host: bool = False  # the device caches' rows are host memory (no GPU): paid from the DRAM budget
 
     def config(self) -> StoreConfig:
         out = []
@@ -177,8 +188,10 @@ class TuneResult:
 
     def dram_breakdown(self) -> dict[str, int]:
         """DRAM by use: cache rows, cache directories (device caches' too), told caches' look-ahead state
-        (``look_ahead``, 0 when told nothing), ssd home indexes, and RocksDB homes' block caches +
-        memtables (``rocksdb_buffers``: caches and buffers, not indexes)."""
+        (``look_ahead``, 0 when told nothing), ssd home indexes, RocksDB homes' block caches +
+        memtables (``rocksdb_buffers``: caches and buffers, not indexes), and, only where
+        ``device_in_host`` (a device tier is then a tensor in host memory), the device caches' rows
+        (``device_rows``)."""
         rows = meta = told = home = rocks = 0
         for p in self.tables:
             rows += p.dram_rows * self.row_bytes
@@ -190,8 +203,11 @@ class TuneResult:
                 rocks += RocksDBTier.dram_bytes(p.block_cache, p.write_buffer)
             else:
                 home += home_index_bytes(p.home, p.layout, p.num_rows, self.row_bytes)
-        return {"cache_rows": rows, "cache_directories": meta, "look_ahead": told, "home_indexes": home,
-                "rocksdb_buffers": rocks}
+        out = {"cache_rows": rows, "cache_directories": meta, "look_ahead": told, "home_indexes": home,
+               "rocksdb_buffers": rocks}
+        if self.device_in_host:
+            out["device_rows"] = sum(p.device_rows for p in self.tables) * self.row_bytes
+        return out
 
     def totals(self) -> dict[str, float]:
         """Hit ratios over all tables and modelled seconds per batch, tiered and all-DRAM."""
@@ -346,10 +362,13 @@ def allocate(curves: Sequence[tuple[np.ndarray, np.ndarray]], budget_bytes: int,
 def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int = 256, dim: int | None = None,
          dtype: str = "float32", policies: Sequence[str] = POLICIES, grid_points: int = 16,
          cost: CostModel | None = None, progress: Callable[[int], object] | None = None,
-         metadata_in_budget: bool = True, read_only: bool = False, announce: int | None = None) -> TuneResult:
+         metadata_in_budget: bool = True, read_only: bool = False, announce: int | None = None,
+         device_in_host: bool = False) -> TuneResult:
     """Plan per-table tiers for ``trace`` within ``dram_bytes`` (+ ``device_bytes``); see module doc.
     ``read_only``: the store will only serve lookups, so no home needs a log slot map. ``announce=K``:
-    size for caches told each batch and the K after it (a training pipeline's ``announce=K``)."""
+    size for caches told each batch and the K after it (a training pipeline's ``announce=K``).
+    ``device_in_host``: the device tier will be host memory (no GPU), so its rows count in ``dram_bytes``
+    too."""
     check_batches(announce, "announce", allow_none=True)
     if dram_bytes < 0 or device_bytes < 0:
         raise InvalidInputError("budgets must be >= 0 bytes")
@@ -410,14 +429,17 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
     # device caches next: their rows go to the device budget, their directories to the DRAM left after
     # the homes (a device budget far above the DRAM one must not buy directories DRAM cannot hold)
     directories = [costs[t] - curves[t][0] * row_bytes for t in range(len(curves))]
-    dev_pos = allocate(curves, device_bytes, row_bytes, side_costs=directories if metadata_in_budget else None,
-                       side_budget=dram_bytes - homes - floors) if device_bytes else [0] * len(curves)
-    dev_meta = sum(int(directories[t][i]) for t, i in enumerate(dev_pos))
+    # host memory a device cache takes: its directory, and its rows too where the device tier is a host tensor
+    host = costs if device_in_host else directories if metadata_in_budget else None
+    dev_pos = allocate(curves, device_bytes, row_bytes, side_costs=host,
+                       side_budget=dram_bytes - homes - floors if metadata_in_budget else dram_bytes
+                       ) if device_bytes else [0] * len(curves)
+    dev_meta = sum(int(host[t][i]) for t, i in enumerate(dev_pos)) if host is not None else 0
     spare = dram_bytes - homes - dev_meta - floors
     rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
              (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]
     homes += sum(RocksDBTier.dram_bytes(bc, wb) for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
-    left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes
+    left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes - dev_meta
     dram_pos = allocate([(c[0], c[1]) for c in dram_choices], max(0, left), row_bytes, [c[2] for c in dram_choices])
     plans = []
     for (name, k, o, uniq, max_id, per, caps, home, told), di, vi, (bc, wb), choice in zip(
@@ -437,4 +459,5 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
                                dram_rows, dram_pol, res, "log" if use_log and partial else "in_place", bc, wb,
                                told))
     return TuneResult(plans, row_bytes, dim, dtype, int(dram_bytes), int(device_bytes), trace.num_batches, cost,
-                      announce=announce)
+                      announce=announce, device_in_host=device_in_host)
+

@@ -23,6 +23,14 @@ The fitted mapping is two flat arrays, an open-addressing table id -> row (see
 _table.py), saved in a single file (see _format.py) that ``load`` maps with
 mmap. Fitting is deterministic for a seed on one machine; the saved file is
 the contract, and lookups from it are exact everywhere.
+
+The file also says what it was fitted for: ``num_rows`` (the bucket count, a
+table's ``num_embeddings``), ``table`` (the trace's table it was fitted on, or
+null) and ``id_range`` (the smallest and largest id seen, or null). The last
+two are optional keys of version 1, not a new version: files written before
+them load (as fitted for no named table), and so do newer files in older
+readers, which ignore them. ``build_hash`` refuses a mapping attached to a
+table of another bucket count, or fitted on another table of the same store.
 """
 
 from __future__ import annotations
@@ -75,6 +83,9 @@ class LearnedHash(Mapper):
         self.reserved_rows = self.num_rows - self.reserved_start
         self.seed = int(meta["seed"])
         self.known = int(meta["known_ids"])
+        self.table: str | None = meta.get("table")  # the trace's table it was fitted on (None: not recorded)
+        rng = meta.get("id_range")
+        self.id_range: tuple[int, int] | None = (int(rng[0]), int(rng[1])) if rng is not None else None
         self._table_key = np.uint64(int(meta["table_key"]))
         self._seed_key = np.uint64(seed_key(self.seed))
         self._tkeys = tkeys
@@ -103,7 +114,8 @@ class LearnedHash(Mapper):
 
     def __repr__(self) -> str:
         return (f"LearnedHash(num_rows={self.num_rows}, dedicated={self.dedicated}, "
-                f"cluster_rows={self.cluster_rows}, reserved_rows={self.reserved_rows}, known_ids={self.known})")
+                f"cluster_rows={self.cluster_rows}, reserved_rows={self.reserved_rows}, known_ids={self.known}, "
+                f"table={self.table!r})")
 
     # -- persistence ----------------------------------------------------------------
 
@@ -146,6 +158,9 @@ class LearnedHash(Mapper):
         if not (1 <= num_rows <= MAX_ROWS and 0 <= ded and 0 <= clu and rs == ded + clu and rs < num_rows
                 and 0 <= seed < 2**63 and 0 <= tk < 2**64 and known >= 0):
             raise bad("inconsistent row layout in the header")
+        why = _fitted_for_error(meta)
+        if why is not None:
+            raise bad(why)
         keys, rows = arrays.get("keys"), arrays.get("rows")
         if (keys is None or rows is None or keys.dtype != np.int64 or rows.dtype not in (np.int32, np.int64)
                 or keys.ndim != 1 or keys.shape != rows.shape or keys.shape[0] < known + 1):
@@ -163,7 +178,8 @@ class LearnedHash(Mapper):
             vectors: np.ndarray | None = None, dim: int = 8, dedicated_fraction: float = 0.5,
             reserved_fraction: float = 0.05, seed: int = 0, batch_offsets: np.ndarray | None = None,
             context_size: int | None = None, iterations: int = 10, refine: int = 2,
-            load_factor: float = 0.6, log: Callable[[str], None] | None = None) -> "LearnedHash":
+            load_factor: float = 0.6, log: Callable[[str], None] | None = None,
+            table: str | None = None) -> "LearnedHash":
         """Fit a mapping of ``buckets`` rows.
 
         ``trace_or_counts``: a 1-D int array of accessed ids (a trace), or a pair
@@ -175,7 +191,9 @@ class LearnedHash(Mapper):
         else windows of ``context_size`` (1024) accesses, refined by
         ``iterations`` rounds of subspace iteration. ``refine``: 2-means rounds
         per bisection. ``load_factor``: fill of the id table (memory vs probes).
-        ``log``: called with progress lines.
+        ``log``: called with progress lines. ``table``: the name of the trace's
+        table the ids come from, recorded so that a store refuses the mapping
+        on another of its tables (None: not recorded).
         """
         say = log or (lambda _msg: None)
         t0 = time.perf_counter()
@@ -189,6 +207,8 @@ class LearnedHash(Mapper):
         load_factor = check_fraction(load_factor, "load_factor", lo=0.05, hi=0.95)
         if context_size is not None:
             context_size = check_int(context_size, "context_size", lo=1)
+        if table is not None and (not isinstance(table, str) or not table):
+            raise ConfigError("table", f"must be a non-empty table name or None, got {table!r}")
 
         uniq, counts, trace, inverse, vectors, batch_offsets = _parse_input(trace_or_counts, vectors, batch_offsets)
         n = int(uniq.shape[0])
@@ -222,6 +242,7 @@ class LearnedHash(Mapper):
         meta = {
             "format": FORMAT, "version": VERSION, "num_rows": buckets, "dedicated": ded, "cluster_rows": clu,
             "reserved_start": reserved_start, "seed": seed, "table_key": table_key, "known_ids": n,
+            "table": table, "id_range": [int(uniq[0]), int(uniq[-1])] if n else None,
             "fit": {"accesses": total, "dim": dim, "vectors": source, "dedicated_fraction": dedicated_fraction,
                     "reserved_fraction": reserved_fraction, "load_factor": load_factor,
                     "dedicated_access_share": float(counts[rank[:ded]].sum() / total) if total else 0.0},
@@ -229,6 +250,18 @@ class LearnedHash(Mapper):
         say(f"fitted in {time.perf_counter() - t0:.1f}s: {ded} dedicated rows, {clu} clustered rows, "
             f"{buckets - reserved_start} reserved rows; mapping {tkeys.nbytes + trows.nbytes} bytes")
         return cls(meta, tkeys, trows)
+
+
+def _fitted_for_error(meta: dict[str, Any]) -> str | None:
+    """Why the optional ``table`` / ``id_range`` header fields are damaged, or None (absent is fine:
+    files written before they existed)."""
+    table, rng = meta.get("table"), meta.get("id_range")
+    if table is not None and (not isinstance(table, str) or not table):
+        return f"header field 'table' = {table!r} is not a table name"
+    if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(type(x) is int for x in rng)
+                                and -2**63 <= rng[0] <= rng[1] < 2**63):
+        return f"header field 'id_range' = {rng!r} is not [smallest id, largest id]"
+    return None
 
 
 def _parse_input(trace_or_counts: Any, vectors: Any, batch_offsets: Any) -> tuple[

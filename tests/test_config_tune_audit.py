@@ -19,6 +19,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -85,9 +86,11 @@ def small_traces(draw) -> traces.Trace:
     return tr
 
 
-def _dram_from_toml(cfg: StoreConfig, tr: traces.Trace, announce: int | None) -> dict[str, int]:
-    """The DRAM a store of ``cfg`` holds, by the parts README's tune section counts, from the config alone."""
-    rows = meta = told = home = rocks = 0
+def _dram_from_toml(cfg: StoreConfig, tr: traces.Trace, announce: int | None,
+                    device_in_host: bool = False) -> dict[str, int]:
+    """The DRAM a store of ``cfg`` holds, by the parts README's tune section counts, from the config alone
+    (``device_in_host``: the device tiers' rows too, tensors in host memory where torch sees no GPU)."""
+    rows = meta = told = home = rocks = dev = 0
     for t in cfg.tables:
         rb = RowFormat(t.dim, t.dtype).row_bytes
         n = t.num_embeddings
@@ -99,6 +102,8 @@ def _dram_from_toml(cfg: StoreConfig, tr: traces.Trace, announce: int | None) ->
             r = min(tier.capacity // rb, n)
             if tier.kind.value == "dram":
                 rows += r * rb
+            else:
+                dev += r * rb
             meta += cache_metadata_bytes(r, n, str(tier.policy))
             if pending is not None and r < n:
                 told += told_bytes(r, pending)
@@ -108,8 +113,9 @@ def _dram_from_toml(cfg: StoreConfig, tr: traces.Trace, announce: int | None) ->
         else:
             assert h.kind.value == "ssd"
             home += (LogSSDTier if h.layout == "log" else SSDTier).index_bytes(n, rb)
-    return {"cache_rows": rows, "cache_directories": meta, "look_ahead": told, "home_indexes": home,
-            "rocksdb_buffers": rocks}
+    out = {"cache_rows": rows, "cache_directories": meta, "look_ahead": told, "home_indexes": home,
+           "rocksdb_buffers": rocks}
+    return {**out, "device_rows": dev} if device_in_host else out
 
 
 def _store_dram(store) -> dict[str, int]:
@@ -187,7 +193,7 @@ def test_every_tuned_plan_is_creatable_within_budget_and_hits_what_it_says(tr, b
         assert StoreConfig.from_toml(cfg.to_toml()) == cfg
 
         # DRAM: recomputed from the TOML alone, as the JSON itemises it, within --dram
-        parts = _dram_from_toml(cfg, tr, announce)
+        parts = _dram_from_toml(cfg, tr, announce, device_in_host=device > 0 and not torch.cuda.is_available())
         assert parts == got["dram_breakdown"]
         used = sum(parts.values())
         assert used == got["dram_bytes_used"]

@@ -54,7 +54,7 @@ from embstore.errors import IdOutOfRangeError
 from embstore.hash_index import EMPTY
 from embstore.lookahead import AMETA, A_ON, INF, K_KEY, NUSE, SFREQ, _home, _map_delete, map_find
 from embstore.policies import M_SKSAMPLE, CacheDirectory, simulate
-from embstore.simulator import miss_ratio_curve, replay_keys, replay_trace
+from embstore.simulator import miss_ratio_curve, pipeline_accesses, replay_keys, replay_trace
 from embstore.table import Table
 from embstore.traces import dense_keys
 from embstore.training import TieredEmbeddingBagCollection
@@ -249,17 +249,22 @@ def test_the_ring_stays_its_size_when_batches_are_advanced_past() -> None:
 def _announced_log(monkeypatch) -> list[tuple]:
     """Every ``Table.announce`` (table, ids) and ``Table.advance`` (table, what it returned), in order."""
     log: list[tuple] = []
-    announce, advance = Table.announce, Table.advance
+    announce, announce_rows, advance = Table.announce, Table.announce_rows, Table.advance
 
     def logged_announce(self, ids):
         announce(self, ids)
         log.append(("announce", self.name, np.unique(np.asarray(ids)).tolist()))
+
+    def logged_announce_rows(self, rows):  # the pipeline tells rows (those its fetch reads), in read order
+        announce_rows(self, rows)
+        log.append(("announce", self.name, np.asarray(rows).tolist()))
 
     def logged_advance(self):
         told = advance(self)
         log.append(("advance", self.name, told))
         return told
     monkeypatch.setattr(Table, "announce", logged_announce)
+    monkeypatch.setattr(Table, "announce_rows", logged_announce_rows)
     monkeypatch.setattr(Table, "advance", logged_advance)
     return log
 
@@ -268,8 +273,10 @@ def _announced_log(monkeypatch) -> list[tuple]:
 @pytest.mark.parametrize("lookahead, announce", [(0, 1), (2, 3)])
 def test_a_pipeline_advances_each_table_once_per_batch_it_announced(tmp_path, monkeypatch, leave, lookahead,
                                                                      announce) -> None:
-    """pipeline(announce=A) tells each table every batch it reads, in order, once; a table advances past one
-    only after the loop body that got it returned, exactly once per batch announced (never an advance with
+    """pipeline(announce=A) tells each table every batch it reads, in order, once (the rows its fetch reads:
+    ``pipeline_accesses``); a table advances past one right before the next one's fetch (with lookahead 0:
+    once the loop body that got it returned; else on the prefetch thread, so before body i's forward at
+    least i - 1 and at most i + lookahead times), exactly once per batch announced (never an advance with
     nothing pending, which would drop someone else's announcement), however the loop is left."""
     store = cold_store(tmp_path / "s", "sgd")
     ebc = TieredEmbeddingBagCollection(store, ["a", "b"], optimizer="sgd")
@@ -280,7 +287,9 @@ def test_a_pipeline_advances_each_table_once_per_batch_it_announced(tmp_path, mo
                                                         announce=announce)):
             for name in ("a", "b"):
                 done = [e for e in log if e[0] == "advance" and e[1] == name]
-                assert done == [("advance", name, True)] * i  # batches 0..i-1: their bodies returned
+                assert done == [("advance", name, True)] * len(done)
+                # batch j's fetch advances past j - 1 before it reads; here fetch i - 1 is done, i + k at most
+                assert len(done) == i if not lookahead else i - 1 <= len(done) <= i + lookahead
             loss_of(ebc(ids, offs), w).backward()
             if i == 3 and leave == "break":
                 break
@@ -288,7 +297,9 @@ def test_a_pipeline_advances_each_table_once_per_batch_it_announced(tmp_path, mo
                 raise RuntimeError("body failed")
     for t, name in enumerate(("a", "b")):
         told = [e[2] for e in log if e[0] == "announce" and e[1] == name]
-        assert told == [np.unique(b[0][t].numpy()).tolist() for b in batches[:len(told)]]
+        read = pipeline_accesses(np.concatenate([b[0][t].numpy() for b in batches]),
+                                 np.cumsum([0] + [len(b[0][t]) for b in batches]), lookahead)
+        assert told == [r.tolist() for r, _, _ in read[:len(told)]]
         assert len(told) == (len(batches) if leave == "end" else min(len(batches), 4 + lookahead + announce))
         assert [e for e in log if e[0] == "advance" and e[1] == name] == [("advance", name, True)] * len(told)
         assert store[name].announced == 0

@@ -211,13 +211,23 @@ def test_nan_and_infinity_literals_are_422(server, trained):
         assert "row 1 holds NaN" in resp.json()["detail"]
 
 
-def test_dense_features_that_overflow_the_model_are_422_not_invalid_json(server, trained):
-    """Finite but huge dense values (3e38) overflow the bottom MLP to NaN scores; JSON cannot carry NaN,
-    so the answer is a 422 naming the cause, parsed here by a strict parser."""
-    http, _ = server
+def test_dense_features_that_overflow_the_model_are_422_not_invalid_json(server, trained, tmp_path):
+    """Finite but huge dense values (3e38) fed to the bottom MLP as they are overflow it to NaN scores; JSON
+    cannot carry NaN, so the answer is a 422 naming the cause, parsed here by a strict parser. A trained
+    model takes log(1 + x) of them (89 at most), so the model here is one that takes features as sent
+    (a model.json without dense_transform)."""
+    shutil.copytree(trained[0], tmp_path / "s")
+    spec_file = tmp_path / "s" / "models" / "dlrm" / "model.json"
+    spec_file.write_text(json.dumps({**json.loads(spec_file.read_text()), "dense_transform": "none"}))
     b = _ok_body(trained[3])
     b["dense"] = [[3e38] * len(row) for row in b["dense"]]
-    resp = http.post("/v1/models/dlrm/predict", json=b)
+    assert server[0].post("/v1/models/dlrm/predict", json=b).status_code == 200  # log1p: finite scores
+    srv = ServerThread(create_app(ServerSettings(store=tmp_path / "s", token=TOKEN, max_ids=MAX_IDS))).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            resp = http.post("/v1/models/dlrm/predict", json=b)
+    finally:
+        srv.stop()
     assert resp.status_code == 422, resp.text
     detail = json.loads(resp.text, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))["detail"]
     assert "not finite" in detail and "dense features" in detail

@@ -78,8 +78,11 @@ def independent(client: LookupClient, model, dense, sparse) -> np.ndarray:
         for s, bag in enumerate(sparse[t]):
             e[s, t_i] = rows[k:k + len(bag)].sum(axis=0, dtype=np.float32) if bag else 0
             k += len(bag)
+    x = np.asarray(dense, np.float64)
+    if model.spec.dense_transform == "log1p":  # a trained model takes raw features: log(1 + max(x, 0)), as training
+        x = np.log1p(np.maximum(x, 0.0))
     with torch.no_grad():
-        d = model.dense_arch(torch.from_numpy(np.asarray(dense, np.float32)))
+        d = model.dense_arch(torch.from_numpy(x.astype(np.float32)))
         return torch.sigmoid(model.over_arch(model.inter_arch(d, torch.from_numpy(e)))).numpy()
 
 

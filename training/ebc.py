@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import itertools
 import logging
 import threading
@@ -143,6 +144,67 @@ class _SlabBag(torch.autograd.Function):
         return (None,) * 9
 
 
+class _Teller:
+    """What a pipeline told ``announce=A`` tells the tables' caches, in the order the store sees it.
+
+    The store reads a batch's rows when its fetch runs (``lookahead`` batches
+    before its step, on the prefetch thread), and only the rows the working
+    set lacks: those none of the ``lookahead`` batches before it uses. So each
+    table is told exactly those rows, batch by batch, and right before batch
+    j's fetch reads it advances past batch j - 1 and is told up to batch
+    j + A; write-backs queued between two fetches land in the earlier one's
+    batch. Told and ticked on the thread that fetches, in its order, the
+    store sees one sequence whatever the timing, the one
+    ``embstore.simulator.pipeline_accesses`` replays from the trace.
+    """
+
+    def __init__(self, tables: Sequence[Any], lookahead: int, ahead: int) -> None:
+        self.tables, self.ahead = list(tables), ahead
+        self.recent: collections.deque[list[np.ndarray]] = collections.deque(maxlen=lookahead)  # last k batches
+        self.untold: collections.deque[tuple[int, list[np.ndarray]]] = collections.deque()  # (seq, rows) read
+        self.seen = 0  # batches read
+        self.fetches = 0  # fetches the tables were readied for
+        self.unadvanced = [0] * len(self.tables)  # per table: batches told and not advanced past
+
+    def read(self, rows: list[np.ndarray]) -> None:
+        """A batch was read (main thread): its physical rows per table; keeps the ones its fetch will read."""
+        uniq = [u for u, _ in unique_inverse_each(rows)]
+        fresh = [u if not self.recent else u[~np.isin(u, np.concatenate([b[t] for b in self.recent]))]
+                 for t, u in enumerate(uniq)]
+        self.recent.append(uniq)
+        self.untold.append((self.seen, fresh))
+        self.seen += 1
+
+    def before_fetch(self) -> None:
+        """The next batch's fetch is about to read: advance past the batch before it, tell up to A after it."""
+        j = self.fetches
+        self.fetches += 1
+        if j:
+            for t, table in enumerate(self.tables):
+                if self.unadvanced[t]:
+                    table.advance()
+                    self.unadvanced[t] -= 1
+        while self.untold and self.untold[0][0] <= j + self.ahead:
+            _, rows = self.untold.popleft()
+            for t, table in enumerate(self.tables):
+                table.announce_rows(rows[t])
+                self.unadvanced[t] += 1
+
+    def close(self) -> None:
+        """The pipeline is over: advance past every batch told (and only those: others may be told too)."""
+        for t, table in enumerate(self.tables):
+            while self.unadvanced[t]:
+                table.advance()
+                self.unadvanced[t] -= 1
+
+
+def _tier_lock(ws: Any) -> Any:
+    """The table's lock where the working set is the table's own tier (``Table.update`` writes rows there,
+    under that lock, while a served model reads them: without it a score could pool a half-written PUT);
+    a bounded working set holds copies, read under the collection's lock alone."""
+    return ws.table._lock if isinstance(ws, ResidentWorkingSet) else contextlib.nullcontext()
+
+
 class TieredEmbeddingBagCollection(nn.Module):
     """Pooled embedding bags over store tables, trained with a fused row-wise optimizer (SPEC section 3)."""
 
@@ -218,7 +280,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 rows = batch.slots[t][batch.inv[t]]
                 anchor = torch.empty(0, requires_grad=grad_on)
                 step = self._stepper(batch, t, bag_grad=True) if grad_on else None
-                with self._lock:  # a prefetch may grow the working set meanwhile
+                with self._lock, _tier_lock(ws):  # a prefetch may grow the working set, a PUT write the tier
                     slab = ws.flat if isinstance(ws, ResidentWorkingSet) else ws.rows.numpy()
                     outs.append(_SlabBag.apply(anchor, slab, ws.dim, rows, batch.inv[t], len(batch.uniq[t]),
                                                batch.offsets[t], self.pooling, step))
@@ -246,8 +308,9 @@ class TieredEmbeddingBagCollection(nn.Module):
         """Add a future batch to the look-ahead window; its rows are fetched in a background thread."""
         self._prefetch(ids, offsets)
 
-    def _prefetch(self, ids: Any, offsets: Any = None) -> _Batch:
-        """``prefetch``, returning the queued batch (``pipeline`` drops the ones it never yields)."""
+    def _prefetch(self, ids: Any, offsets: Any = None, before: Callable[[], None] | None = None) -> _Batch:
+        """``prefetch``, returning the queued batch (``pipeline`` drops the ones it never yields); ``before``
+        runs on the prefetch thread right before the fetch reads (``pipeline`` tells the tables there)."""
         id_list, off_list = normalize(self.table_names, ids, offsets)
         batch = self._new_batch(id_list, off_list)
         try:
@@ -258,7 +321,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._queue.append(batch)
         if self._executor is None:
             self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="embstore-prefetch")
-        batch.future = self._executor.submit(self._fetch, batch)
+        batch.future = self._executor.submit(self._fetch, batch, before)
         return batch
 
     def pipeline(self, batches: Iterable[Any], lookahead: int | None = None,
@@ -267,12 +330,16 @@ class TieredEmbeddingBagCollection(nn.Module):
 
         ``sparse(batch)`` gives the part :meth:`forward` takes: an (ids, offsets)
         pair or a KeyedJaggedBatch (default: the batch itself). ``announce=A``
-        reads A batches further ahead and tells the tables' caches each one's
-        ids as it is read (``Table.announce``), so they keep the rows needed
-        soonest, as Belady's MIN does inside that window; each table advances
-        past a batch once the loop body that got it returns (and past every
-        batch not reached when the loop is left early). It changes which rows
-        stay cached in the store, never the numbers trained.
+        reads A batches further ahead and tells the tables' caches what the
+        store will read for each (``Table.announce_rows``), so they keep the
+        rows needed soonest, as Belady's MIN does inside that window. The store
+        reads a batch's rows when its fetch runs, and only the rows none of the
+        ``lookahead`` batches before it uses (the working set holds those), so
+        a table is told just those rows, and it advances past a batch right
+        before the next batch's fetch reads (see ``_Teller``; on the prefetch
+        thread when ``lookahead`` > 0); past every batch told when the loop is
+        left. ``embstore.simulator.pipeline_accesses`` replays that sequence. It
+        changes which rows stay cached in the store, never the numbers trained.
         """
         k = self.lookahead if lookahead is None else _check_lookahead(lookahead)
         ahead = _check_lookahead(announce, "announce")
@@ -284,10 +351,10 @@ class TieredEmbeddingBagCollection(nn.Module):
                                     f"announce <= {MAX_ANNOUNCED - 1 - k}")
         get = sparse or (lambda b: b)
         it = iter(batches)
-        told: collections.deque[tuple[Any, Any]] = collections.deque()  # read and announced, not prefetched
+        told: collections.deque[tuple[Any, Any]] = collections.deque()  # read (and told), not prefetched
         window: collections.deque[Any] = collections.deque()  # prefetched (or, with k = 0, next), not yielded
         queued: list[_Batch] = []  # what this pipeline prefetched
-        unadvanced = [0] * len(self.tables)  # per table: batches it was told and not advanced past
+        teller = _Teller(self.tables, k, ahead) if ahead else None
 
         def read() -> bool:
             try:
@@ -299,16 +366,14 @@ class TieredEmbeddingBagCollection(nn.Module):
                                                                               and len(s) == 2):
                 raise InvalidInputError("pipeline: the sparse part of a batch must be an (ids, offsets) pair or a "
                                         f"KeyedJaggedBatch (pass sparse=...), got {type(s).__name__}")
-            if ahead:
+            if teller is not None:
                 ids, _ = normalize(self.table_names, *((s,) if isinstance(s, KeyedJaggedBatch) else s))
-                for t, (table, t_ids) in enumerate(zip(self.tables, ids)):
-                    table.announce(t_ids)  # a later table refusing its ids leaves the earlier ones told: counted
-                    unadvanced[t] += 1
+                teller.read([self._physical(t, t_ids).reshape(-1) for t, t_ids in enumerate(ids)])
             told.append((b, s))
             return True
 
         def pull() -> bool:
-            """Top the windows up: A batches announced beyond the k prefetched, beyond the one yielded next."""
+            """Top the windows up: A batches read beyond the k prefetched, beyond the one yielded next."""
             while len(told) + len(window) < k + 1 + ahead and read():
                 pass
             if not told or len(window) >= k + 1:
@@ -316,7 +381,9 @@ class TieredEmbeddingBagCollection(nn.Module):
             b, s = told.popleft()
             if k:
                 queued[:] = [q for q in queued if not q.retired]  # forwarded and stepped: done with
-                queued.append(self._prefetch(s) if isinstance(s, KeyedJaggedBatch) else self._prefetch(*s))
+                before = teller.before_fetch if teller is not None else None
+                queued.append(self._prefetch(s, before=before) if isinstance(s, KeyedJaggedBatch)
+                              else self._prefetch(*s, before=before))
             window.append(b)
             return True
 
@@ -324,18 +391,17 @@ class TieredEmbeddingBagCollection(nn.Module):
             while pull():
                 pass
             while window:
+                if teller is not None and not k:  # the fetch runs in forward, here: after the last write-back
+                    cf.wait(list(self._writes))
+                    teller.before_fetch()
                 yield window.popleft()
-                if ahead:
-                    for t, table in enumerate(self.tables):
-                        table.advance()
-                        unadvanced[t] -= 1
                 while pull():
                     pass
         finally:  # a loop left early (break, an exception) must not leave its look-ahead pinned in the queue
             self._drop_prefetched(queued)
-            for table, n in zip(self.tables, unadvanced):  # nor its announcements pending in the tables
-                for _ in range(n):
-                    table.advance()
+            if teller is not None:  # nor what it told pending in the tables
+                cf.wait([q.future for q in queued if q.future is not None])
+                teller.close()
 
     def flush(self) -> None:
         """Write every dirty working-set row (with its state) back and make the tables durable."""
@@ -429,11 +495,13 @@ class TieredEmbeddingBagCollection(nn.Module):
             batch.missing.append(missing)
             batch.fetched += int(missing.sum())
 
-    def _fetch(self, batch: _Batch) -> None:
+    def _fetch(self, batch: _Batch, before: Callable[[], None] | None = None) -> None:
         """Read the batch's rows that are not in the working set yet from the store into their slots (any
         thread; fetches run one at a time). Which rows is decided now, not at reserve time: a row the batch
         shares with an earlier one whose fetch failed is read here."""
         try:
+            if before is not None:
+                before()
             for t, ws in enumerate(self.ws):
                 if self._recheck_loads:  # after a failure: the reserve-time mask may name rows never filled
                     with self._lock:
@@ -617,7 +685,8 @@ class TieredEmbeddingBagCollection(nn.Module):
             rows = self._physical(t, id_list[t]).reshape(-1)
             uniq, inv = torch.unique(torch.from_numpy(rows).to(ws.device), return_inverse=True)
             offs = torch.from_numpy(off_list[t]).to(ws.device)
-            w = ws.rows.index_select(0, uniq)
+            with _tier_lock(ws):  # enqueued before a later write's kernels: the copy sees no half-written row
+                w = ws.rows.index_select(0, uniq)
             if grad_on:
                 outs.append(_FusedBag.apply(torch.empty(0, requires_grad=True), w, inv, offs, self.pooling,
                                             self._accelerator_stepper(batch, t, uniq)))

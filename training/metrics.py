@@ -2,7 +2,9 @@
 
 NE (He et al., "Practical lessons from predicting clicks on ads at Facebook")
 is the log loss divided by the entropy of the base click rate: below 1 means
-the model beats always predicting the average rate.
+the model beats always predicting the average rate. With labels of one class
+only that entropy is 0 and NE is undefined: NaN, like AUC there (the clamped
+rate made it a finite ~1e6, which read as a model far worse than guessing).
 """
 
 from __future__ import annotations
@@ -64,10 +66,15 @@ def entropy(rate: float) -> float:
     return -(p * math.log(p) + (1 - p) * math.log(1 - p))
 
 
+def _ne(log_loss_value: float, ctr: float) -> float:
+    """NE from a log loss and the base rate: NaN for one class (a base entropy of 0)."""
+    return float("nan") if ctr in (0.0, 1.0) else log_loss_value / entropy(ctr)
+
+
 def normalized_entropy(labels: np.ndarray, probs: np.ndarray) -> float:
-    """Log loss / entropy of the base rate (mean label)."""
+    """Log loss / entropy of the base rate (mean label); NaN when the labels are all one class."""
     y, _ = _check(labels, probs)
-    return log_loss(labels, probs) / entropy(float(y.mean()))
+    return _ne(log_loss(labels, probs), float(y.mean()))
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ def evaluate(labels: np.ndarray, logits: np.ndarray) -> EvalResult:
     y, z = _check(labels, logits)
     ll = log_loss_logits(y, z)
     # AUC of the logits: sigmoid is monotonic, but saturates (z > 37 all become 1.0), making false ties
-    return EvalResult(auc(y, z), ll, ll / entropy(float(y.mean())), len(y), float(y.mean()))
+    return EvalResult(auc(y, z), ll, _ne(ll, float(y.mean())), len(y), float(y.mean()))
 
 
 __all__ = ["EvalResult", "auc", "entropy", "evaluate", "log_loss", "log_loss_logits", "normalized_entropy"]

@@ -7,7 +7,11 @@
 
 The embedding rows are the store's own tables; a loaded model reads them
 through a :class:`TieredEmbeddingBagCollection` in eval mode (no updates).
-Both files are written to temporary names and moved into place.
+Both files are written to temporary names and moved into place, and
+``model.json`` is what makes a model exist: a save removes it first and writes
+it last, so a crash part-way leaves no model rather than one file of each save.
+The trainer retires its model the same way before it moves the rows and saves
+it again only after they are flushed (``training/trainer.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
-from embstore.atomic import atomic_file, atomic_write
+from embstore.atomic import atomic_file, atomic_write, fsync_dir
 from embstore.errors import CorruptStoreError, InvalidInputError, TableExistsError
 from embstore.files import not_a_regular_file, zip_crc_failure
 from embstore.store import Store
@@ -45,17 +50,60 @@ class ModelSpec:
     dcn_layers: int = 3
     dcn_low_rank: int = 0
     sparse_optimizer: str = "rowwise_adagrad"
+    # What predict does to the dense features a client sends before the model sees them. "log1p" is
+    # log(1 + max(x, 0)): what training/data.py feeds the model (Criteo's integers are read that way, and
+    # the synthetic source draws its features as log1p of raw values), so a model the trainer saved takes
+    # the raw features. "none": as sent; a model.json written before this field reads as "none", as it
+    # was served then.
+    dense_transform: str = "log1p"
+
+
+DENSE_TRANSFORMS = ("none", "log1p")
+
+
+def transform_dense(kind: str, dense: torch.Tensor) -> torch.Tensor:
+    """float32 features as a model of ``dense_transform`` ``kind`` saw them in training; log1p in float64
+    and then rounded, exactly as training/data.py computes it, so a raw integer scores as in training."""
+    if kind == "none":
+        return dense.to(torch.float32)
+    if kind != "log1p":
+        raise InvalidInputError(f"dense_transform must be one of {', '.join(DENSE_TRANSFORMS)}, got {kind!r}")
+    raw = dense.detach().cpu().numpy().astype(np.float64)
+    return torch.from_numpy(np.log1p(np.maximum(raw, 0.0)).astype(np.float32)).to(dense.device)
 
 
 def save_model(store_path: str | os.PathLike, name: str, spec: ModelSpec, model: DLRM) -> Path:
-    """Write ``model``'s dense parameters and shape under ``STORE/models/NAME``."""
+    """Write ``model``'s dense parameters and shape under ``STORE/models/NAME``.
+
+    ``model.json`` goes first (durably) and comes back last: with the two files replaced one by one, a
+    crash between them left a ``dense.pt`` of this save beside the ``model.json`` of the last one, which
+    loads silently when the shapes agree (tables listed in another order)."""
     folder = Path(store_path) / MODELS_DIR / name
     folder.mkdir(parents=True, exist_ok=True)
+    _unpublish(folder)
     dense = {k: v for k, v in model.state_dict().items() if not k.startswith("sparse_arch.")}
     with atomic_file(folder / "dense.pt") as f:
         torch.save(dense, f)
     atomic_write(folder / "model.json", json.dumps(asdict(spec), indent=1).encode())
     return folder
+
+
+def _unpublish(folder: Path) -> None:
+    """Remove ``folder``'s ``model.json`` durably: from then on there is no model there to load."""
+    spec_file = folder / "model.json"
+    if spec_file.exists() or spec_file.is_symlink():
+        spec_file.unlink()
+        fsync_dir(folder)
+
+
+def retire_model(store_path: str | os.PathLike, name: str) -> None:
+    """Withdraw model ``name`` before its rows change (training goes on): its dense layers would not fit
+    them. ``model.json`` goes first, so a crash mid-way leaves no model, never a stale one; the folder
+    stays, empty, so that :func:`load_model` can say the model is being written, not merely absent."""
+    folder = Path(store_path) / MODELS_DIR / name
+    folder.mkdir(parents=True, exist_ok=True)
+    _unpublish(folder)
+    (folder / "dense.pt").unlink(missing_ok=True)
 
 
 def list_models(store_path: str | os.PathLike) -> list[str]:
@@ -98,9 +146,12 @@ def _spec_from_json(raw: object) -> ModelSpec:
                      widths("over_arch"), raw.get("interaction", "dot"),
                      count("dcn_layers", raw.get("dcn_layers", 3), 1),
                      count("dcn_low_rank", raw.get("dcn_low_rank", 0), 0),
-                     raw.get("sparse_optimizer", "rowwise_adagrad"))
+                     raw.get("sparse_optimizer", "rowwise_adagrad"), raw.get("dense_transform", "none"))
     if spec.interaction not in ("dot", "dcn"):
         raise ValueError(f"interaction must be 'dot' or 'dcn', got {spec.interaction!r:.60}")
+    if spec.dense_transform not in DENSE_TRANSFORMS:
+        raise ValueError(f"dense_transform must be one of {', '.join(DENSE_TRANSFORMS)}, "
+                         f"got {spec.dense_transform!r:.60}")
     if spec.sparse_optimizer not in OPTIMIZERS:
         raise ValueError(f"sparse_optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.sparse_optimizer!r:.60}")
     return spec
@@ -147,7 +198,10 @@ def load_model(store: Store, name: str) -> DLRM:
     folder = store.path / MODELS_DIR / name
     spec_file, dense_file = folder / "model.json", folder / "dense.pt"
     if not spec_file.exists():
-        raise InvalidInputError(f"no model {name!r} in {store.path}; known: {', '.join(list_models(store.path))}")
+        interrupted = (" (its folder lacks model.json, which a save writes last: the save, or the training "
+                       "run that retrains it, was interrupted; resume the run to write it)") if folder.is_dir() else ""
+        raise InvalidInputError(f"no model {name!r} in {store.path}{interrupted}; "
+                                f"known: {', '.join(list_models(store.path))}")
 
     def bad(path: Path, why: str) -> CorruptStoreError:
         return CorruptStoreError(f"model {name!r}: {str(path)!r}: {why}")
@@ -204,4 +258,5 @@ def predict(model: DLRM, dense: torch.Tensor, ids: list[torch.Tensor], offsets: 
     if not torch.isfinite(dense).all():
         raise InvalidInputError("dense features must be finite")
     device = model.sparse_arch.ebc.device  # where load_model put the dense layers
-    return torch.sigmoid(model(dense.to(device, torch.float32), ids, offsets)).cpu()
+    x = transform_dense(spec.dense_transform, dense)  # the features as training fed them
+    return torch.sigmoid(model(x.to(device, torch.float32), ids, offsets)).cpu()

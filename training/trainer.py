@@ -51,10 +51,11 @@ from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader, SyntheticClicks
 from embstore.training.distributed import (DistContext, ShardedEmbeddingBags, average_gradients,
                                            broadcast_parameters, hashless)
-from embstore.training.registry import ModelSpec, save_model
+from embstore.training.registry import _MAX_WIDTH as MAX_WIDTH, ModelSpec, _shapes, retire_model, save_model
 from embstore.training.dlrm import DENSE_OPTIMIZERS, DLRM, dense_optimizer
 from embstore.training.metrics import EvalResult, evaluate
-from embstore.training.optim import OPTIMIZERS
+from embstore.training.optim import _FLOAT32_MAX, OPTIMIZERS
+from embstore.modmath import INT64_MAX
 
 log = logging.getLogger("embstore.training.trainer")
 
@@ -99,6 +100,19 @@ def _positive(where: str, **values: int) -> None:
             raise ConfigError(f"{where}.{k}", f"must be >= 1, got {v}")
 
 
+# Sizes (batch, features, ids per bag, layer widths) are capped at the registry's MAX_WIDTH, 2**31 - 1: numpy
+# and torch take them as array dimensions (2**63 was a ValueError traceback) and the registry refuses a
+# model.json width past it (a trained model must stay loadable). Whether a size below it fits this machine
+# is check_memory's question.
+MAX_LAYERS = 1000  # layers in an MLP or DCN: the registry refuses a longer list; 10**9 DCN layers built for hours
+
+
+def _at_most(where: str, limit: int, **values: int) -> None:
+    for k, v in values.items():
+        if v > limit:
+            raise ConfigError(f"{where}.{k}", f"must be at most {limit:,}, got {v}")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where batches come from. Synthetic knobs are ignored for criteo and vice versa."""
@@ -132,6 +146,8 @@ class DataConfig:
         for key in ("bag_min", "signal_tables", "holdout_every", "eval_max_batches"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"data.{key}", f"must be >= 0, got {getattr(self, key)}")
+        _at_most("data", MAX_WIDTH, batch_size=self.batch_size, num_dense=self.num_dense, bag_min=self.bag_min,
+                 bag_max=self.bag_max)
         if self.zipf_alpha < 0:
             raise ConfigError("data.zipf_alpha", f"must be >= 0, got {self.zipf_alpha}")
         if self.kind == "synthetic":  # checked here, not by SyntheticClicks later, so the error names the key
@@ -139,8 +155,9 @@ class DataConfig:
                 raise ConfigError("data.bag_max", f"must be >= 1 (ids per bag), got {self.bag_max}")
             if self.bag_min > self.bag_max:
                 raise ConfigError("data.bag_min", f"must be <= bag_max ({self.bag_max}), got {self.bag_min}")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.id_space):
-            raise ConfigError("data.id_space", f"must list positive integers, got {list(self.id_space)}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= INT64_MAX for n in self.id_space):
+            raise ConfigError("data.id_space", f"must list integers from 1 to 2**63 - 1 (ids are int64), "
+                                               f"got {list(self.id_space)}")
         for key in ("train_paths", "eval_paths"):
             if not all(isinstance(x, str) for x in getattr(self, key)):
                 raise ConfigError(f"data.{key}", f"must be a list of file paths, got {list(getattr(self, key))}")
@@ -176,11 +193,16 @@ class ModelConfig:
             v = getattr(self, key)
             if not v or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in v):
                 raise ConfigError(f"model.{key}", f"must be a non-empty list of positive ints, got {list(v)}")
+            if len(v) > MAX_LAYERS or max(v) > MAX_WIDTH:
+                raise ConfigError(f"model.{key}", f"must list at most {MAX_LAYERS} widths of at most "
+                                                  f"{MAX_WIDTH:,}, got {len(v)} up to {max(v)}")
         if self.over_arch[-1] != 1:
             raise ConfigError("model.over_arch", f"must end in 1 (one logit), got {list(self.over_arch)}")
         _positive("model", dcn_layers=self.dcn_layers)
         if self.dcn_low_rank < 0:
             raise ConfigError("model.dcn_low_rank", f"must be >= 0 (0 = full rank), got {self.dcn_low_rank}")
+        _at_most("model", MAX_LAYERS, dcn_layers=self.dcn_layers)
+        _at_most("model", MAX_WIDTH, dcn_low_rank=self.dcn_low_rank)
 
 
 @dataclass(frozen=True)
@@ -236,9 +258,10 @@ class ScheduleConfig:
             raise ConfigError("schedule.seed", f"must be below 2**64, got {self.seed}")
         if self.checkpoint_store not in ("copy", "in_place"):
             raise ConfigError("schedule.checkpoint_store", f"{self.checkpoint_store!r} is not 'copy' or 'in_place'")
-        for key in ("dense_lr", "sparse_lr"):
-            if not 0 < getattr(self, key) < math.inf:
-                raise ConfigError(f"schedule.{key}", f"must be a positive number, got {getattr(self, key)}")
+        for key in ("dense_lr", "sparse_lr"):  # float32 weights: a step past its range makes them inf
+            if not 0 < getattr(self, key) <= _FLOAT32_MAX:
+                raise ConfigError(f"schedule.{key}", f"must be a positive number up to {_FLOAT32_MAX:.6g} "
+                                                     f"(float32), got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)
@@ -357,6 +380,7 @@ class Batches:
 
 
 # --------------------------------------------------------------------------- pieces
+SERVED_MODEL = "dlrm"  # STORE/models/dlrm: what `embstore serve` scores with after a run
 def build_store(cfg: TrainConfig, out: Path, ctx: DistContext, resume: bool) -> tuple[embstore.Store, Path]:
     """Create (or, resuming, restore from the last checkpoint) this rank's store."""
     base = Path(cfg.store.path) if cfg.store.path else out / "store"
@@ -457,6 +481,66 @@ def check_data(data: Batches) -> None:
         st = data.reader.stats
         raise ConfigError("data.train_paths", f"the training split has no samples ({st.lines} lines, "
                                               f"{st.malformed} malformed, {st.blank} blank)")
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes, None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def check_memory(cfg: TrainConfig, num_dense: int, ram: int | None = None) -> None:
+    """Refuse, before a store is made, a config whose dense layers, one batch or the held-out pass cannot fit
+    in memory (a batch_size of 10**12 created the store, then died of a MemoryError). Every estimate is a
+    lower bound (what must be held at once, not what the run peaks at), so a refused config could not run
+    here; one that passes may still run short. The key named is the largest factor of the product."""
+    ram = physical_memory() if ram is None else ram
+    if ram is None:
+        return
+    d, m, tables = cfg.data, cfg.model, cfg.store.tables
+    spec = model_spec(cfg, num_dense)
+    try:
+        shapes = _shapes(spec)  # on the meta device: no memory
+    except ValueError as exc:
+        raise ConfigError("model", str(exc)) from exc
+    groups: dict[str, int] = {}
+    for name, shape in shapes.items():
+        groups[name.split(".")[0]] = groups.get(name.split(".")[0], 0) + math.prod(shape)
+    copies = {"sgd": 2, "adagrad": 3, "adam": 4}.get(m.dense_optimizer, 2)  # weights, gradients, optimizer state
+    params = sum(groups.values())
+    if params * 4 * copies > ram:
+        biggest = max(groups, key=groups.__getitem__)
+        key = {"dense_arch": "data.num_dense" if num_dense > max(m.dense_arch) else "model.dense_arch",
+               "over_arch": "model.over_arch"}.get(biggest, "model.dcn_low_rank" if m.dcn_low_rank else "model.interaction")
+        raise ConfigError(key, f"the dense layers hold {params:,} parameters ({biggest}: {groups[biggest]:,}), "
+                               f"{_gib(params * 4 * copies)} with gradients and {m.dense_optimizer} state, more "
+                               f"than this machine's {_gib(ram)} of memory")
+    bag = 1 if d.kind == "criteo" else (d.bag_min + d.bag_max) / 2
+    ids = len(tables) * max(bag, 1)
+    widths = sum(m.dense_arch) + sum(m.over_arch) + len(tables) * tables[0].dim
+    # features (drawn or parsed in float64, fed in float32), int64 ids and offsets, pooled rows and activations
+    # with their gradients: ~380 bytes for the example config, where a run peaks at ~700 a sample
+    per_sample = 12 * num_dense + 8 * (ids + len(tables)) + 8 * widths
+    if d.batch_size * per_sample > ram:
+        factors = {"data.batch_size": d.batch_size, "data.num_dense": num_dense, "data.bag_max": ids}
+        raise ConfigError(max(factors, key=factors.__getitem__),
+                          f"a batch of {d.batch_size:,} samples ({num_dense} dense features, about {ids:,.0f} ids "
+                          f"over {len(tables)} tables, layers {widths:,} wide) needs at least "
+                          f"{_gib(d.batch_size * per_sample)}, more than this machine's {_gib(ram)} of memory")
+    held_out = d.eval_batches if d.kind == "synthetic" else d.eval_max_batches  # criteo: bounded by its files
+    if held_out * d.batch_size * 16 > ram:  # a logit and a label per sample, in float64 for the metrics
+        factors = {"data.eval_batches" if d.kind == "synthetic" else "data.eval_max_batches": held_out,
+                   "data.batch_size": d.batch_size}
+        raise ConfigError(max(factors, key=factors.__getitem__),
+                          f"{held_out:,} held-out batches of {d.batch_size:,} samples keep "
+                          f"{_gib(held_out * d.batch_size * 16)} of scores for the metrics, more than this "
+                          f"machine's {_gib(ram)} of memory")
 
 
 @torch.no_grad()
@@ -671,6 +755,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     state = read_checkpoint(ckpt / f"rank{ctx.rank}.pt") if ckpt is not None else None  # before the store moves
     if ckpt is None:
         check_data(data)
+    check_memory(cfg, data.num_dense)
     store, store_path = build_store(cfg, out, ctx, resume)
     restored = ckpt is not None and (ckpt / _store_name(ctx)).exists()  # the store is the checkpoint's copy
     model: DLRM | None = None
@@ -710,6 +795,8 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     if sched.steps:
         total = min(total, sched.steps)
     ebc = model.sparse_arch.ebc
+    if result.step < total:  # the rows are about to move: a model saved beside them would no longer fit them
+        retire_model(store_path, SERVED_MODEL)
     stream = data.train(result.step, sched.epochs)
     bar = _progress(progress and ctx.is_main and result.step < total, total, result.step)
     t0, samples = time.perf_counter(), 0
@@ -747,8 +834,8 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
                 ev = run_eval(model, data.holdout(), ctx)
                 result.evals.append((result.step, ev))
                 if ctx.is_main:
-                    _print(bar, f"step {result.step}: AUC {ev.auc:.4f}  log loss {ev.log_loss:.4f}  "
-                                f"NE {ev.ne:.4f}  ({ev.samples} held-out samples, CTR {ev.ctr:.3f})")
+                    _print(bar, f"step {result.step}: {eval_line(ev)}  ({ev.samples} held-out samples, "
+                                f"CTR {ev.ctr:.3f})")
                     plot_curves(result, out / "curves.png")
             if (sched.checkpoint_every and result.step % sched.checkpoint_every == 0) or done:
                 save_checkpoint(out, result.step, model, opt, result, store, cfg, ctx)
@@ -757,7 +844,9 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
                 result.stopped_early = True  # as if killed here
                 break
         if not result.stopped_early and not ctx.enabled:  # a sharded model has no single store to serve
-            save_model(store_path, "dlrm", model_spec(cfg, data.num_dense), model)
+            ebc.flush()  # the rows first (the final checkpoint flushed them already: this costs nothing then)
+            store.flush()
+            save_model(store_path, SERVED_MODEL, model_spec(cfg, data.num_dense), model)
     finally:
         if bar is not None:
             bar.close()
@@ -771,8 +860,29 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
         metrics = {"step": result.step, "samples_per_s": result.samples_per_s,
                    "malformed_lines": result.malformed_lines,
                    "evals": [dict(step=s, **dataclasses.asdict(e)) for s, e in result.evals]}
-        atomic_write(out / "metrics.json", json.dumps(metrics, indent=1).encode())  # a full disk keeps the old one
+        text = json.dumps(_json_safe(metrics), indent=1, allow_nan=False)  # NaN is no JSON: strict parsers refuse it
+        atomic_write(out / "metrics.json", text.encode())  # a full disk keeps the old one
     return result
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as None (JSON null): an undefined AUC or NE."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def eval_line(ev: EvalResult) -> str:
+    """AUC, log loss and NE for a progress line; one held-out class leaves AUC and NE undefined, and says so
+    (NE's baseline, the entropy of the click rate, is 0 there: it printed 408323.6862)."""
+    if ev.ctr in (0.0, 1.0):
+        return (f"log loss {ev.log_loss:.4f}  AUC and NE undefined: held-out labels are all one class "
+                f"({'no clicks' if ev.ctr == 0.0 else 'all clicks'})")
+    return f"AUC {ev.auc:.4f}  log loss {ev.log_loss:.4f}  NE {ev.ne:.4f}"
 
 
 def _take(it: Iterator[ClickBatch], n: int) -> Iterator[ClickBatch]:
@@ -813,7 +923,7 @@ def run_from_args(args: Any, ctx: DistContext = DistContext()) -> int:
     result = train(cfg, args.out, resume=args.resume, ctx=ctx, progress=args.progress)
     if ctx.is_main:
         last = result.evals[-1][1] if result.evals else None
-        tail = f"  AUC {last.auc:.4f}  log loss {last.log_loss:.4f}  NE {last.ne:.4f}" if last else ""
+        tail = f"  {eval_line(last)}" if last else ""
         if result.resumed_from is not None and result.step == result.resumed_from:
             print(f"nothing to train: the run in {args.out} already did its {result.step} steps{tail}")
         else:

@@ -140,8 +140,12 @@ class WorkingSet:
         return len(slots)
 
     def _write_back(self, slots: np.ndarray, write: Writer | None = None) -> None:
+        """Write the rows of ``slots`` in the order of their keys: not in slot order, which depends on how
+        slots were reused, so the store's caches see a sequence a simulator can replay from the trace
+        (``embstore.simulator.pipeline_accesses``)."""
         if len(slots) == 0:
             return
+        slots = slots[np.argsort(self.key[slots], kind="stable")]
         idx = torch.from_numpy(slots).to(self.device)
         rows = self.rows[idx].cpu().numpy()
         state = self.state[idx].cpu().numpy()

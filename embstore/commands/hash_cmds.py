@@ -28,7 +28,8 @@ co-occur with them in the same batches (frequency-balanced clusters of learned
 low-dimensional vectors), and ids never seen are hashed into a reserved region.
 The mapping is written to one file; point a table at it with
   hash = { kind = "learned", mapping = "F" }
-and num_embeddings = N (the same --buckets).
+and num_embeddings = N (the same --buckets). The file records the table it
+was fitted on (--table); a store refuses it on another of its tables.
 
 TRACE: a trace file embstore.traces.load reads (.npz, Meta's dlrm_datasets
 format, CSV table,id), or a .npy array of int64 ids (one table, no batches).
@@ -146,7 +147,8 @@ def run_fit(args: argparse.Namespace) -> int:
         log(f"table {label}: {ids.size} accesses")
         mapper = LearnedHash.fit(ids, args.buckets, dim=args.dim, dedicated_fraction=args.dedicated_fraction,
                                  reserved_fraction=args.reserved_fraction, seed=args.seed, batch_offsets=offsets,
-                                 context_size=args.context_size, iterations=args.iterations, log=log)
+                                 context_size=args.context_size, iterations=args.iterations, log=log,
+                                 table=None if trace_path.suffix == ".npy" else label)  # a .npy names no table
         mapper.save(out)
     except (_UsageError, EmbstoreError, OSError, ValueError) as exc:
         msg = str(exc)

@@ -19,7 +19,7 @@ from embstore.errors import ConfigError, InvalidInputError
 from embstore.rows import RowFormat
 from embstore.simulator import miss_ratio_curve, replay_keys, table_keys
 from embstore.tiers.rocksdb import MEMTABLES
-from embstore.tuning import POLICIES, tune
+from embstore.tuning import POLICIES, TuneResult, tune
 
 
 def _policies(text: str) -> list[str]:
@@ -132,7 +132,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--dram", type=nonneg_byte_size, required=True,
                    help="all the DRAM the store may hold (cache rows, their directories, home indexes), e.g. 2GiB")
     t.add_argument("--device", type=nonneg_byte_size, default=0,
-                   help="device (accelerator) budget, e.g. 256MiB (default 0: no device tier)")
+                   help="device (accelerator) budget, e.g. 256MiB (default 0: no device tier); where torch sees "
+                        "no GPU a device tier is host memory, so its rows count against --dram as well")
     t.add_argument("--row-bytes", type=positive_int, default=None,
                    help=f"bytes per float32 row, a multiple of 4 up to {4 * MAX_DIM} (instead of --dim; default: from "
                         "--dim and --dtype)")
@@ -157,6 +158,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 TOML_MARK = "# recommended store config"  # heads the TOML tune prints when not given --out
+HOST_DEVICE_TOML_NOTE = ("# tuned where torch sees no GPU: the device tiers' rows were counted in the DRAM budget "
+                         "(they are host memory here)")
 
 
 def _rows(cap: int | float, unique: int) -> int:
@@ -290,6 +293,23 @@ def _announce_note(k: int) -> str:
             f"ebc.pipeline(..., announce={k})")
 
 
+def _device_in_host(device_bytes: int) -> bool:
+    """Whether a device tier planned here would be a tensor in host memory: a device budget on a machine
+    where torch sees no GPU (a device tier's ``device = "auto"`` then takes the CPU)."""
+    if not device_bytes:
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _host_device_note(res: TuneResult) -> str:
+    """The summary line saying that the device budget came out of host memory, and why."""
+    return (f"note         torch sees no GPU here, so a device tier is a tensor in host memory: its rows "
+            f"({res.dram_breakdown()['device_rows']:,} B) are counted in --dram as well as --device; "
+            "tune on the GPU machine to give them a budget of their own")
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     _check_output(args.out, "--out")
     if args.row_bytes is not None and args.dim is not None:  # the flags are checked before the trace is read
@@ -305,13 +325,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     trace = _nonempty(traces.load(args.trace, batch_size=args.batch_size), args.trace, "tune")
     cost = costmodel.default_model()
     runs = [args.announce] if args.announce is None else [args.announce, None]  # told: and the plan told nothing
+    in_host = _device_in_host(args.device)
     with progress_bar(total=len(runs) * trace.num_tables, desc="tune", unit="table", leave=False) as bar:
         res, *plain = [tune(trace, args.dram, args.device, row_bytes=row_bytes, dim=dim, dtype=args.dtype,
                             policies=args.policy, cost=cost, progress=bar.update, read_only=args.read_only,
-                            announce=k) for k in runs]
+                            announce=k, device_in_host=in_host) for k in runs]
     untold = plain[0].totals()["cache_hit_ratio"] if plain else None
     cfg = res.config()
-    toml = (_announce_note(args.announce) + "\n" if args.announce is not None else "") + cfg.to_toml()
+    toml = (_announce_note(args.announce) + "\n" if args.announce is not None else "") + \
+        (HOST_DEVICE_TOML_NOTE + "\n" if in_host else "") + cfg.to_toml()
     if args.out:
         atomic_write(args.out, toml.encode())
     tot = res.totals()
@@ -319,6 +341,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     parts = res.dram_breakdown()
     if args.json:
         print(json.dumps({"trace": args.trace, "out": args.out, "row_bytes": row_bytes, "announce": res.announce,
+                          "device_in_host": res.device_in_host,
                           "told_nothing_cache_hit_ratio": untold,
                           "device_bytes_used": dev_used, "dram_bytes_used": dram_used, "dram_breakdown": parts,
                           **tot,
@@ -346,8 +369,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"(cache rows {parts['cache_rows']:,}, cache directories {parts['cache_directories']:,}, "
         + (f"look-ahead state {parts['look_ahead']:,}, " if res.announce is not None else "") +
         f"home indexes {parts['home_indexes']:,}"
-        + (f", rocksdb block caches + memtables {parts['rocksdb_buffers']:,}" if rocks else "") + ")",
+        + (f", rocksdb block caches + memtables {parts['rocksdb_buffers']:,}" if rocks else "")
+        + (f", device rows in host memory {parts['device_rows']:,}" if res.device_in_host else "") + ")",
     ]
+    if res.device_in_host:
+        lines.append(_host_device_note(res))
     if rocks:
         lines.append(f"rocksdb      {len(rocks)} home(s): block cache {_span([p.block_cache for p in rocks])}, "
                      f"memtables {_span([p.write_buffer for p in rocks])} x {MEMTABLES} each (RocksDB's defaults: 64 MiB, "
