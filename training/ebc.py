@@ -409,8 +409,13 @@ class TieredEmbeddingBagCollection(nn.Module):
         with self._lock:
             for ws in self.ws:
                 self.counters["written_back_rows"] += ws.write_back_all()
+            stores: list[Any] = []  # each store flushed once: its log too, whose older writes would replay
             for t in self.tables:
-                t.flush()
+                if t.store_flush is None:
+                    t.flush()
+                elif t.store_flush not in stores:
+                    stores.append(t.store_flush)
+                    t.flush_durable()
 
     def release(self) -> None:
         """Drop the whole window (pending batches get no update), write rows back and stop the thread."""
