@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,8 @@ from embstore.cli import main
 from embstore.errors import ConfigError, InvalidInputError
 from embstore.training.metrics import evaluate, log_loss_logits, normalized_entropy
 from embstore.training.registry import MODELS_DIR, list_models, load_model
-from embstore.training.trainer import TrainConfig, check_memory, train
+from embstore.training.dlrm import DLRM
+from embstore.training.trainer import TrainConfig, check_memory, dense_parameter_counts, train
 
 CFG = """
 [data]
@@ -381,12 +383,8 @@ def test_the_memory_check_names_the_largest_factor_and_passes_the_examples(tmp_p
     """check_memory against a given machine size: a batch, the dense layers or the held-out pass larger than
     it is refused naming the factor that makes it so; the shipped example configs fit 4 GiB."""
     def cfg(**data: int) -> TrainConfig:
-        text = BASE
-        for k, v in data.items():
-            text = text.replace("[data]\n", f"[data]\n{k} = {v}\n") if k != "batch_size" else \
-                text.replace("batch_size = 32", f"batch_size = {v}")
         p = tmp_path / "c.toml"
-        p.write_text(text)
+        p.write_text(with_line("data", "\n".join(f"{k} = {v}" for k, v in data.items())))
         return TrainConfig.from_toml(p)
 
     check_memory(cfg(batch_size=1_000_000), 13, ram=2**30)  # ~0.3 GiB a batch
@@ -406,3 +404,23 @@ def test_the_memory_check_names_the_largest_factor_and_passes_the_examples(tmp_p
     for example in sorted(root.glob("train_*.toml")):
         c = TrainConfig.from_toml(example)
         check_memory(c, c.data.num_dense if c.data.kind == "synthetic" else 13, ram=4 * 2**30)
+
+
+@settings(max_examples=40)
+@given(st.integers(1, 4), st.sampled_from([2, 4, 8]), st.integers(1, 20),
+       st.lists(st.integers(1, 12), min_size=0, max_size=3), st.lists(st.integers(1, 12), min_size=0, max_size=3),
+       st.sampled_from(["dot", "dcn"]), st.integers(1, 3), st.integers(0, 5))
+def test_dense_parameter_counts_match_the_model_built(tables, dim, num_dense, bottom, top, interaction, layers, rank):
+    """The memory check counts the dense parameters from the widths (torch's size arithmetic overflows on
+    absurd ones): the counts equal those of the DLRM built on the meta device, group by group."""
+    text = BASE.replace("dense_arch = [8, 4]", f"dense_arch = {[*bottom, dim]}").replace(
+        "over_arch = [8, 1]", f'over_arch = {[*top, 1]}\ninteraction = "{interaction}"\ndcn_layers = {layers}\n'
+                              f"dcn_low_rank = {rank}").replace("dim = 4", f"dim = {dim}")
+    text += "".join(f'[[store.table]]\nname = "t{i}"\nnum_embeddings = 10\n' for i in range(tables - 1))
+    cfg = TrainConfig.from_dict(tomllib.loads(text))
+    with torch.device("meta"):
+        model = DLRM(torch.nn.Module(), tables, dim, num_dense, [*bottom, dim], [*top, 1], interaction, layers, rank)
+    built = {"dense_arch": 0, "interaction": 0, "over_arch": 0}
+    for name, t in model.state_dict().items():
+        built[{"inter_arch": "interaction"}.get(name.split(".")[0], name.split(".")[0])] += t.numel()
+    assert dense_parameter_counts(cfg, num_dense) == built

@@ -47,15 +47,15 @@ from embstore.table import MAX_ANNOUNCED
 from embstore.config import HashKind, StoreConfig, TableConfig, from_toml_file
 from embstore.errors import ConfigError, CorruptStoreError, EmbstoreError
 from embstore.files import not_a_regular_file, zip_crc_failure
+from embstore.modmath import INT64_MAX
 from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader, SyntheticClicks
 from embstore.training.distributed import (DistContext, ShardedEmbeddingBags, average_gradients,
                                            broadcast_parameters, hashless)
-from embstore.training.registry import _MAX_WIDTH as MAX_WIDTH, ModelSpec, _shapes, retire_model, save_model
+from embstore.training.registry import _MAX_WIDTH as MAX_WIDTH, ModelSpec, retire_model, save_model
 from embstore.training.dlrm import DENSE_OPTIMIZERS, DLRM, dense_optimizer
 from embstore.training.metrics import EvalResult, evaluate
 from embstore.training.optim import _FLOAT32_MAX, OPTIMIZERS
-from embstore.modmath import INT64_MAX
 
 log = logging.getLogger("embstore.training.trainer")
 
@@ -495,6 +495,25 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
+def _mlp_parameters(width_in: int, widths: tuple[int, ...]) -> int:
+    return sum(a * b + b for a, b in zip((width_in, *widths[:-1]), widths))  # Linear(a, b): weight and bias
+
+
+def dense_parameter_counts(cfg: TrainConfig, num_dense: int) -> dict[str, int]:
+    """Parameters of the bottom MLP, the interaction and the top MLP as training/dlrm.py lays them out,
+    counted in Python ints from the widths: torch's own size arithmetic overflows (2**31 x 2**31 weights)."""
+    m, tables = cfg.model, len(cfg.store.tables)
+    dim = cfg.store.tables[0].dim
+    if m.interaction == "dcn":
+        n = (tables + 1) * dim  # x0 = concat(dense, one bag per table); low rank: V (n x r), U (r x n) + bias
+        inter = m.dcn_layers * (2 * n * m.dcn_low_rank + n if m.dcn_low_rank else n * n + n)
+        width = n
+    else:
+        inter, width = 0, dim + (tables + 1) * tables // 2  # the dense vector and the pairwise dot products
+    return {"dense_arch": _mlp_parameters(num_dense, m.dense_arch), "interaction": inter,
+            "over_arch": _mlp_parameters(width, m.over_arch)}
+
+
 def check_memory(cfg: TrainConfig, num_dense: int, ram: int | None = None) -> None:
     """Refuse, before a store is made, a config whose dense layers, one batch or the held-out pass cannot fit
     in memory (a batch_size of 10**12 created the store, then died of a MemoryError). Every estimate is a
@@ -504,20 +523,14 @@ def check_memory(cfg: TrainConfig, num_dense: int, ram: int | None = None) -> No
     if ram is None:
         return
     d, m, tables = cfg.data, cfg.model, cfg.store.tables
-    spec = model_spec(cfg, num_dense)
-    try:
-        shapes = _shapes(spec)  # on the meta device: no memory
-    except ValueError as exc:
-        raise ConfigError("model", str(exc)) from exc
-    groups: dict[str, int] = {}
-    for name, shape in shapes.items():
-        groups[name.split(".")[0]] = groups.get(name.split(".")[0], 0) + math.prod(shape)
+    groups = dense_parameter_counts(cfg, num_dense)
     copies = {"sgd": 2, "adagrad": 3, "adam": 4}.get(m.dense_optimizer, 2)  # weights, gradients, optimizer state
     params = sum(groups.values())
     if params * 4 * copies > ram:
         biggest = max(groups, key=groups.__getitem__)
         key = {"dense_arch": "data.num_dense" if num_dense > max(m.dense_arch) else "model.dense_arch",
-               "over_arch": "model.over_arch"}.get(biggest, "model.dcn_low_rank" if m.dcn_low_rank else "model.interaction")
+               "over_arch": "model.over_arch", "interaction": "model.dcn_low_rank" if m.dcn_low_rank
+               else "model.interaction"}[biggest]
         raise ConfigError(key, f"the dense layers hold {params:,} parameters ({biggest}: {groups[biggest]:,}), "
                                f"{_gib(params * 4 * copies)} with gradients and {m.dense_optimizer} state, more "
                                f"than this machine's {_gib(ram)} of memory")
@@ -795,8 +808,8 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
     if sched.steps:
         total = min(total, sched.steps)
     ebc = model.sparse_arch.ebc
-    if result.step < total:  # the rows are about to move: a model saved beside them would no longer fit them
-        retire_model(store_path, SERVED_MODEL)
+    if result.step < total and not ctx.enabled:  # the rows are about to move: a model saved beside them
+        retire_model(store_path, SERVED_MODEL)     # would no longer fit them (a sharded run saves none)
     stream = data.train(result.step, sched.epochs)
     bar = _progress(progress and ctx.is_main and result.step < total, total, result.step)
     t0, samples = time.perf_counter(), 0
