@@ -401,3 +401,16 @@ def test_a_model_json_without_the_field_is_served_as_before(criteo_model, tmp_pa
         spec_file.write_text(json.dumps({**spec, "dense_transform": "log2"}))
         with pytest.raises(CorruptStoreError, match="dense_transform must be one of none, log1p"):
             load_model(store, "dlrm")
+
+
+def test_sharded_training_refuses_a_mapping_fitted_on_another_table(tmp_path, fitted):
+    """A sharded run builds each table's hash itself (its rank stores are hashless): the same check applies."""
+    from embstore.training.distributed import DistContext, ShardedEmbeddingBags
+
+    _, user, item = fitted
+    hashless = StoreConfig((TableConfig("user", 64, DIM, tiers=(TierConfig("mmap"),)),
+                            TableConfig("item", 64, DIM, tiers=(TierConfig("mmap"),))))
+    with embstore.create(tmp_path / "rank0", hashless) as store:
+        with pytest.raises(ConfigError, match="fitted for table 'item' but is attached to table 'user'"):
+            ShardedEmbeddingBags(store, [_learned("user", item), _learned("item", user)], DistContext(0, 1))
+        ShardedEmbeddingBags(store, [_learned("user", user), _learned("item", item)], DistContext(0, 1))

@@ -113,7 +113,8 @@ class ShardedEmbeddingBags(nn.Module):
         for c in table_configs:
             # a rank's store is hashless and holds no mapping: a relative learned mapping is taken from the
             # working directory, as embstore.create adopts it for the one-process run
-            m = build_hash(c.hash, c.num_embeddings)
+            m = build_hash(c.hash, c.num_embeddings, table=c.name,
+                           store_tables={t.name for t in table_configs})  # a map fitted on another table is refused
             if m is not None and m.rows_per_id != 1:
                 raise InvalidInputError(f"table {c.name!r}: sharded training supports one row per id "
                                         f"(hash kind none, mod or learned), not {c.hash.kind.value!r}")
