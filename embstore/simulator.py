@@ -34,11 +34,14 @@ from embstore.belady import _as_keys, belady_hits, belady_mrc, dedup_batches
 from embstore.config import PolicySpec
 from embstore.errors import InvalidInputError
 from embstore.policies import CacheDirectory, simulate
+from embstore.hierarchy import Hierarchy
 from embstore.stackdist import lru_mrc
+from embstore.tiers.base import Tier
+from embstore.tiers.cache import DRAMTier
 from embstore.traces import Trace, dense_keys
 
-__all__ = ["LevelResult", "ReplayResult", "demand_misses", "miss_ratio_curve", "pipeline_accesses", "replay",
-           "replay_keys", "replay_trace", "simulate_pipeline", "table_keys", "window_unique"]
+__all__ = ["LevelResult", "ReplayResult", "demand_misses", "miss_ratio_curve", "pipeline_accesses", "pipeline_min_keys", "pipeline_mrc",
+           "replay", "replay_keys", "replay_pipeline", "replay_trace", "simulate_pipeline", "table_keys", "window_unique"]
 
 Offsets = npt.NDArray[np.int64]
 
@@ -249,19 +252,137 @@ def simulate_pipeline(keys: Ids, batch_offsets: Offsets, capacity: int, policy: 
     every = np.concatenate([np.concatenate([r, w]) for _, r, w in steps])
     limit = int(every.max()) + 1 if every.size else 1
     d = CacheDirectory(min(int(capacity), max(1, np.unique(every).size)), spec, key_limit=limit)
+    hits: list[npt.NDArray[np.bool_]] = []
+    _drive_pipeline(steps, announce, d,
+                    lambda ids: hits.append(d.access(ids).hit if ids.size else np.zeros(0, np.bool_)), d.access)
+    return np.concatenate(hits)
+
+
+def _drive_pipeline(steps: list[tuple[Ids, Ids, Ids]], announce: int | None, clock: Any,
+                    read: Any, write: Any) -> None:
+    """Make the calls a pipeline's prefetch thread makes on a table, in its order: advance past the last
+    batch, tell ``clock`` (a directory or a hierarchy) every fetch up to ``announce`` ahead, read the rows
+    entering the working set, write back those leaving it."""
     ahead = announce or 0  # the pipeline tells nothing with announce=0
     told = 0
-    hits = []
-    for j, (_, read, written) in enumerate(steps):
+    for j, (_, rows_in, rows_out) in enumerate(steps):
         if ahead and j:
-            d.advance()
+            clock.advance()
         while ahead and told <= j + ahead and told < len(steps):
-            d.announce(steps[told][0])
+            clock.announce(steps[told][0])
             told += 1
-        hits.append(d.access(read).hit if read.size else np.zeros(0, np.bool_))
-        if written.size:
-            d.access(written)
-    return np.concatenate(hits)
+        read(rows_in)
+        if rows_out.size:
+            write(rows_out)
+
+
+def pipeline_min_keys(steps: Sequence[tuple[Ids, Ids, Ids]]) -> Ids:
+    """The pipeline's reads and write-backs (``pipeline_accesses``) as one key sequence whose Belady MIN hits
+    are the most reads any cache (no bypass) can serve under them.
+
+    A write-back puts a row into the cache without a read, and a row read into the working set needs no
+    cache copy until it is written back: only the holding from a row's last event (read or write-back) to
+    its next read can give a hit. So every event gets a key of its own, and a read first repeats the key of
+    its row's previous event (the only access that can hit), then takes its own (always a miss, as the
+    fetched row lands). MIN over the reads alone would miss that write-backs fill the cache for free (LRU
+    beat it)."""
+    parts = [a for _, r, w in steps for a in (r, w)]
+    rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    is_read = np.concatenate([np.full(a.size, i % 2 == 0) for i, a in enumerate(parts)]) if parts else \
+        np.zeros(0, np.bool_)
+    prev = np.full(rows.size, -1, np.int64)
+    order = np.argsort(rows, kind="stable")
+    same = rows[order[1:]] == rows[order[:-1]]
+    prev[order[1:][same]] = order[:-1][same]
+    two = is_read & (prev >= 0)
+    start = np.cumsum(1 + two) - (1 + two)
+    out = np.empty(rows.size + int(two.sum()), np.int64)
+    out[start + two] = np.arange(rows.size)
+    out[start[two]] = prev[two]
+    return out
+
+
+class _CountingHome(Tier):
+    """A home that holds no bytes and counts the rows read from and written to it: the I/O a store's home
+    would do under the simulated caches."""
+
+    kind = "home"
+    persistent = True
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.reads = 0
+        self.writes = 0
+
+    def get(self, ids: Ids) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.bool_]]:
+        self.reads += len(ids)
+        return np.zeros((len(ids), 1), np.uint8), np.ones(len(ids), np.bool_)
+
+    def put(self, ids: Ids, rows: npt.NDArray[np.uint8]) -> None:
+        self.writes += len(ids)
+
+    def contains(self, ids: Ids) -> npt.NDArray[np.bool_]:
+        return np.ones(len(ids), np.bool_)
+
+
+def _thin_row(n: int) -> npt.NDArray[np.uint8]:
+    return np.zeros((n, 1), np.uint8)
+
+
+def replay_pipeline(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[PolicySpec | str, int]], *,
+                    lookahead: int, announce: int | None = None, trained: bool = True, row_bytes: int = 0,
+                    belady: bool = True) -> ReplayResult:
+    """One table's cache ``levels`` (fastest first) under ``pipeline(batches, lookahead=k, announce=A)``.
+
+    The store's own ``Hierarchy`` runs over one-byte cache tiers and a home that counts its I/O, fed
+    ``pipeline_accesses`` in the order the pipeline's prefetch thread makes its calls: each fetch reads the
+    rows entering the working set, each write-back writes rows leaving it (dirty rows a level evicts go one
+    level down, as in the store). So every level counts what the store's ``stats()`` would, lower levels
+    included (``simulate_pipeline`` is the top level's hit mask alone). ``accesses`` are the reads;
+    ``home_reads`` / ``extra["home_writes"]``: rows the home serves / takes (the pipeline's last write-back
+    and flush are left out); ``demand_misses``: what the forward waits for, all of the top level's misses
+    with ``lookahead=0`` and none with prefetch running ahead. Belady's MIN beside each level: the most reads
+    a cache of that size alone could serve under the same reads and write-backs (``pipeline_min_keys``).
+    """
+    lv = _levels(levels)
+    check_batches(announce, "announce", allow_none=True)
+    steps = pipeline_accesses(keys, batch_offsets, lookahead, trained)
+    reads = [r for _, r, _ in steps]
+    k0 = np.concatenate(reads) if reads else np.zeros(0, np.int64)
+    written = sum(int(w.size) for _, _, w in steps)
+    distinct = max(1, int(np.unique(k0).size))  # every written row was read first: no key beyond these
+    caches = [DRAMTier(1, min(cap, distinct), spec) for spec, cap in lv if cap > 0]
+    home = _CountingHome()
+    h = Hierarchy(caches, home, _thin_row)
+    _drive_pipeline(steps, announce, h, h.read, lambda ids: h.write(ids, _thin_row(ids.size)))
+    results = []
+    min_keys = pipeline_min_keys(steps) if belady else k0
+    reaching = int(k0.size)
+    tiers = iter(caches)
+    for spec, cap in lv:
+        c = next(tiers).counters if cap > 0 else None
+        hits = c.hits if c is not None else 0
+        bh = belady_hits(min_keys, cap) if belady and cap > 0 and k0.size else 0
+        results.append(LevelResult(str(spec), cap, reaching, hits, reaching - hits,
+                                   hits / reaching if reaching else 0.0, hits * row_bytes,
+                                   (reaching - hits) * row_bytes, bh, bh / k0.size if k0.size else 0.0))
+        reaching -= hits
+    demand = (int(k0.size) - (results[0].hits if results else 0)) if int(lookahead) == 0 else 0
+    return ReplayResult(int(k0.size), len(steps), tuple(results), home.reads, demand, int(lookahead), row_bytes,
+                        {"pipeline": True, "trained": bool(trained), "announce": announce,
+                         "written_back": written, "home_writes": home.writes})
+
+
+def pipeline_mrc(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLike, policy: PolicySpec | str, *,
+                 lookahead: int, announce: int | None = None, trained: bool = True) -> npt.NDArray[np.int64]:
+    """Hits of one cache level at each capacity under ``pipeline(lookahead=k, announce=A)`` (the reads
+    ``pipeline_accesses`` gives); ``policy`` "belady" gives MIN's (``pipeline_min_keys``)."""
+    caps = _capacities(capacities)
+    if isinstance(policy, str) and policy.strip().lower() == "belady":
+        return belady_mrc(pipeline_min_keys(pipeline_accesses(keys, batch_offsets, lookahead, trained)), caps)
+    return np.array([replay_pipeline(keys, batch_offsets, [(policy, int(c))], lookahead=lookahead,
+                                     announce=announce, trained=trained, belady=False).levels[0].hits
+                     for c in caps.tolist()], np.int64)
 
 
 def table_keys(trace: Trace, table: int) -> tuple[Ids, Offsets]:
@@ -293,16 +414,20 @@ def replay_trace(trace: Trace, levels: Sequence[tuple[PolicySpec | str, int]], *
 replay = replay_trace
 
 
+def _capacities(capacities: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    caps = np.asarray(capacities)
+    if caps.ndim != 1 or (caps.size and (caps.dtype.kind not in "iu" or caps.min() < 0)):
+        raise InvalidInputError("capacities must be a 1-D array of row counts >= 0")
+    return np.minimum(caps, np.iinfo(np.int64).max).astype(np.int64)  # uint64 beyond int64: never evicts either
+
+
 def miss_ratio_curve(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLike, policy: PolicySpec | str,
                      *, dedup: bool = True, progress: Any = None, announce: int | None = None) -> npt.NDArray[np.int64]:
     """Hits of a single cache at each capacity (rows). ``policy`` "belady" gives MIN;
     plain LRU takes one stack-distance pass; the others (and any policy told ``announce``
     batches ahead) one simulate per capacity."""
     check_batches(announce, "announce", allow_none=True)
-    caps = np.asarray(capacities)
-    if caps.ndim != 1 or (caps.size and (caps.dtype.kind not in "iu" or caps.min() < 0)):
-        raise InvalidInputError("capacities must be a 1-D array of row counts >= 0")
-    caps = np.minimum(caps, np.iinfo(np.int64).max).astype(np.int64)  # uint64 beyond int64: never evicts either
+    caps = _capacities(capacities)
     keys = _as_keys(keys)
     off = np.ascontiguousarray(batch_offsets, np.int64)
     if dedup:

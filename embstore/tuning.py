@@ -80,6 +80,14 @@ dlrm2021-like trace no told plan beat the one told nothing at equal bytes
 (BENCHMARKS.md), which is why the CLI prints both. A store that only serves
 lookups is told nothing: tune it without ``announce``.
 
+A training pipeline (``pipeline=K``, its ``lookahead=K``): the store does not
+see the trace. The pipeline's working set holds every row of the K + 1 batches
+in its window, so a table's caches see only the rows entering it (reads) and
+the rows leaving it (write-backs, through the caches, dirty rows evicted down
+a level as in the store). The curves are then hits of those reads, one
+``replay_pipeline`` per capacity (the store's own ``Hierarchy`` over
+byte-less tiers), and accesses, hit ratios and modelled time are of the reads.
+
 Where the device tier lives (``device_in_host``): on a machine where torch
 sees no GPU, a ``device`` tier is a torch tensor in host memory, so its rows
 take DRAM like a ``dram`` cache's. ``device_in_host=True`` (what ``embstore
@@ -104,7 +112,8 @@ from embstore.config import StoreConfig, TableConfig, TierConfig
 from embstore.costmodel import CostModel
 from embstore.errors import InvalidInputError
 from embstore.lookahead import told_bytes
-from embstore.simulator import ReplayResult, check_batches, miss_ratio_curve, replay_keys, table_keys
+from embstore.simulator import (ReplayResult, check_batches, miss_ratio_curve, pipeline_accesses, pipeline_mrc,
+                                replay_keys, replay_pipeline, table_keys)
 from embstore.tiers.cache import cache_metadata_bytes
 from embstore.tiers.rocksdb import MEMTABLES, RocksDBTier
 from embstore.tiers.ssd import SSDTier
@@ -162,6 +171,7 @@ class TuneResult:
     extra: dict[str, Any] = field(default_factory=dict)
     announce: int | None = None  # batches the caches are told ahead (a training pipeline's announce=K)
     device_in_host: bool = False  # the device caches' rows are host memory (no GPU): paid from the DRAM budget
+    pipeline: int | None = None  # sized for a training pipeline's reads and write-backs (its lookahead=K)
 
     def config(self) -> StoreConfig:
         out = []
@@ -363,13 +373,16 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
          dtype: str = "float32", policies: Sequence[str] = POLICIES, grid_points: int = 16,
          cost: CostModel | None = None, progress: Callable[[int], object] | None = None,
          metadata_in_budget: bool = True, read_only: bool = False, announce: int | None = None,
-         device_in_host: bool = False) -> TuneResult:
+         device_in_host: bool = False, pipeline: int | None = None) -> TuneResult:
     """Plan per-table tiers for ``trace`` within ``dram_bytes`` (+ ``device_bytes``); see module doc.
     ``read_only``: the store will only serve lookups, so no home needs a log slot map. ``announce=K``:
     size for caches told each batch and the K after it (a training pipeline's ``announce=K``).
     ``device_in_host``: the device tier will be host memory (no GPU), so its rows count in ``dram_bytes``
-    too."""
+    too. ``pipeline=K``: the store will train through ``pipeline(..., lookahead=K)``, so each table's caches
+    see the rows entering and leaving its working set (``embstore.simulator.replay_pipeline``), not whole
+    batches; accesses and hit ratios are then of those reads."""
     check_batches(announce, "announce", allow_none=True)
+    check_batches(pipeline, "pipeline", allow_none=True)
     if dram_bytes < 0 or device_bytes < 0:
         raise InvalidInputError("budgets must be >= 0 bytes")
     if row_bytes < 1:
@@ -394,16 +407,19 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
                                     f"2**62 rows; give it a hash (hash = {{ kind = 'mod' }}) and tune a trace "
                                     "of its hashed rows (embstore.recorder records those)")
         k, o = dedup_batches(ids, off)
-        told = pending_occurrences(o, announce) if announce is not None else None
+        reads_off = o if pipeline is None else \
+            np.cumsum([0] + [r.size for _, r, _ in pipeline_accesses(k, o, pipeline)]).astype(np.int64)
+        told = pending_occurrences(reads_off, announce) if announce is not None else None
         uniq = int(np.unique(k).size) if k.size else 0
         caps = _grid(uniq, grid_points)
-        per = np.stack([miss_ratio_curve(k, o, caps, p, dedup=False, announce=announce) for p in policies])
+        per = np.stack([miss_ratio_curve(k, o, caps, p, dedup=False, announce=announce) if pipeline is None else
+                        pipeline_mrc(k, o, caps, p, lookahead=pipeline, announce=announce) for p in policies])
         if progress is not None:
             progress(1)
         max_id = int(ids.max()) if ids.size else 0
         # a table without accesses shows no sparse id space (and would pay rocksdb's floors for nothing)
         home = "rocksdb" if uniq and (max_id >= SPARSE_MAX_ID or uniq / (max_id + 1) < SPARSE_DENSITY) else "ssd"
-        data.append((name, k, o, uniq, max_id, per, caps, home, told))
+        data.append((name, k, o, uniq, max_id, per, caps, home, told, int(reads_off[-1])))
         curves.append((caps, per.max(axis=0)))
         costs.append(_cache_costs(caps, per.argmax(axis=0), policies, max_id + 1, row_bytes, told)
                      if metadata_in_budget else caps * row_bytes)
@@ -414,7 +430,7 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
             np.broadcast_to(caps * row_bytes, per.shape)
         pol, idx = cost_frontier(caps, per, by_policy)
         dram_choices.append((caps[idx], per[pol, idx], by_policy[pol, idx], pol))
-    all_acc = max(1, sum(int(d[1].size) for d in data))
+    all_acc = max(1, sum(d[9] for d in data))
     # slot maps for every ssd home, or for none (per table, most write-backs per map byte first, measured
     # no better on the DLRM shape: BENCHMARKS, session 8)
     maps = sum(home_index_bytes("ssd", "log", d[4] + 1, row_bytes) for d in data if d[7] == "ssd")
@@ -436,13 +452,13 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
                        ) if device_bytes else [0] * len(curves)
     dev_meta = sum(int(host[t][i]) for t, i in enumerate(dev_pos)) if host is not None else 0
     spare = dram_bytes - homes - dev_meta - floors
-    rocks = [rocksdb_sizes(spare, d[1].size / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
+    rocks = [rocksdb_sizes(spare, d[9] / all_acc, d[3], row_bytes) if d[7] == "rocksdb" else
              (ROCKSDB_DEFAULT.block_cache, ROCKSDB_DEFAULT.write_buffer) for d in data]
     homes += sum(RocksDBTier.dram_bytes(bc, wb) for (bc, wb), d in zip(rocks, data) if d[7] == "rocksdb")
     left = dram_bytes - homes - dev_meta if metadata_in_budget else dram_bytes - dev_meta
     dram_pos = allocate([(c[0], c[1]) for c in dram_choices], max(0, left), row_bytes, [c[2] for c in dram_choices])
     plans = []
-    for (name, k, o, uniq, max_id, per, caps, home, told), di, vi, (bc, wb), choice in zip(
+    for (name, k, o, uniq, max_id, per, caps, home, told, acc), di, vi, (bc, wb), choice in zip(
             data, dram_pos, dev_pos, rocks, dram_choices):
         dram_rows, dev_rows = int(choice[0][di]), int(caps[vi])
         if dram_rows <= dev_rows:
@@ -450,8 +466,9 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
         dram_pol = policies[int(choice[3][di])]
         dev_pol = policies[int(np.argmax(per[:, vi]))]
         levels = ([(dev_pol, dev_rows)] if dev_rows else []) + ([(dram_pol, dram_rows)] if dram_rows else [])
-        res = replay_keys(k, o, levels, row_bytes=row_bytes, belady=False, dedup=False, announce=announce)
-        acc = int(k.size)
+        res = replay_keys(k, o, levels, row_bytes=row_bytes, belady=False, dedup=False, announce=announce) \
+            if pipeline is None else replay_pipeline(k, o, levels, lookahead=pipeline, announce=announce,
+                                                     row_bytes=row_bytes, belady=False)
         # log where the caches hold part of the table: every eviction writes a small row back, which in
         # place is a read-modify-write of its 4 KiB block
         partial = max(dev_rows, dram_rows) < max_id + 1
@@ -459,5 +476,5 @@ def tune(trace: Trace, dram_bytes: int, device_bytes: int = 0, *, row_bytes: int
                                dram_rows, dram_pol, res, "log" if use_log and partial else "in_place", bc, wb,
                                told))
     return TuneResult(plans, row_bytes, dim, dtype, int(dram_bytes), int(device_bytes), trace.num_batches, cost,
-                      announce=announce, device_in_host=device_in_host)
+                      announce=announce, device_in_host=device_in_host, pipeline=pipeline)
 

@@ -17,7 +17,7 @@ from embstore.belady import dedup_batches
 from embstore.config import MAX_DIM, PolicySpec, RowDType
 from embstore.errors import ConfigError, InvalidInputError
 from embstore.rows import RowFormat
-from embstore.simulator import miss_ratio_curve, replay_keys, table_keys
+from embstore.simulator import miss_ratio_curve, pipeline_accesses, pipeline_mrc, replay_keys, replay_pipeline, table_keys
 from embstore.tiers.rocksdb import MEMTABLES
 from embstore.tuning import POLICIES, TuneResult, tune
 
@@ -89,6 +89,12 @@ def _check_output(path: str | None, flag: str, suffix: str | None = None) -> Non
         raise InvalidInputError(f"{flag}: cannot write {path!r}: {why}")
 
 
+PIPELINE_HELP = ("model a training pipeline, ebc.pipeline(..., lookahead=K): its working set holds the rows of "
+                 "the K + 1 batches in its window, so the caches see only the rows entering it (the hit ratios "
+                 "are of those reads) and the rows leaving it, written back through them (default: lookups, "
+                 "which read every batch whole)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser(
         "replay", help="replay a trace through cache sizes and policies",
@@ -113,6 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tell the cache each batch and the K after it before the batch is read "
                         "(Table.announce, as a training pipeline with announce=K does): it then keeps the rows "
                         "needed soonest, as Belady's MIN does inside that window (default: nothing announced)")
+    r.add_argument("--pipeline", type=nonneg_int, default=None, metavar="K", help=PIPELINE_HELP)
     r.add_argument("--home", choices=["ssd", "mmap", "rocksdb"], default="ssd",
                    help="home tier for the modelled time (default ssd)")
     r.add_argument("--batch-size", type=positive_int, default=None,
@@ -151,6 +158,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="size the caches for a training pipeline that tells them each batch and the K after it "
                         "(ebc.pipeline(..., announce=K)): curves of the told policies, which keep the rows "
                         "needed soonest (default: caches told nothing, as for serving)")
+    t.add_argument("--pipeline", type=nonneg_int, default=None, metavar="K", help=PIPELINE_HELP)
     t.add_argument("--out", metavar="store.toml",
                    help="write the recommended config here (without it, the TOML is printed after the summary)")
     t.add_argument("--json", action="store_true", help="print one JSON object (and no TOML)")
@@ -174,6 +182,9 @@ def _simulated_rows(rows: int, unique: int) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     _check_output(args.plot, "--plot", ".png")
+    if args.pipeline is not None and args.lookahead:
+        raise InvalidInputError("give --pipeline K (a training pipeline's own look-ahead) or --lookahead "
+                                "(prefetch into the cache), not both")
     trace = _nonempty(traces.load(args.trace, batch_size=args.batch_size), args.trace, "replay")
     cost = costmodel.default_model()
     groups: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -194,8 +205,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
             for pol in args.policy:
                 for cap in args.capacity:
                     rows = _rows(cap, uniq)
-                    res = replay_keys(k, o, [(pol, _simulated_rows(rows, uniq))], row_bytes=args.row_bytes,
-                                      lookahead=args.lookahead, dedup=False, announce=args.announce)
+                    level = [(pol, _simulated_rows(rows, uniq))]
+                    res = replay_keys(k, o, level, row_bytes=args.row_bytes, lookahead=args.lookahead, dedup=False,
+                                      announce=args.announce) if args.pipeline is None else \
+                        replay_pipeline(k, o, level, lookahead=args.pipeline, announce=args.announce,
+                                        row_bytes=args.row_bytes)
                     lv = res.levels[0]
                     secs = cost.batch_seconds([("dram", lv.hits), (args.home, lv.misses)]) / max(1, res.batches)
                     rec = {"policy": pol, "capacity_rows": rows, "accesses": res.accesses, "hits": lv.hits,
@@ -205,8 +219,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     if args.announce is not None:
                         rec["announce"] = args.announce
                     rec.update(bytes_read=lv.bytes_read, bytes_fetched=lv.bytes_in,
-                               modelled_seconds_per_batch=secs, lookahead=args.lookahead,
+                               modelled_seconds_per_batch=secs, lookahead=res.lookahead,
                                demand_misses=res.demand_misses)
+                    if args.pipeline is not None:
+                        rec.update(pipeline=args.pipeline, home_writes=res.extra["home_writes"])
                     records.append(rec)
                     bar.update(1)
     if args.json:
@@ -215,7 +231,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_format_replay(records, args, cost))
     if args.plot:
-        _plot(groups, args.policy, args.plot, args.capacity, args.announce)
+        _plot(groups, args.policy, args.plot, args.capacity, args.announce, args.pipeline)
         if not args.json:
             print(f"wrote {args.plot}")
     return 0
@@ -225,11 +241,16 @@ def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmode
     src = "calibrated" if cost.measured else "built-in"
     lines = [f"trace {args.trace}: accesses are per-batch deduplicated; modelled time: {src} costs, "
              f"DRAM cache over {args.home}, {args.row_bytes} B rows"
-             + (f"; each batch announced {args.announce} batches ahead" if args.announce is not None else "")]
+             + (f"; each batch announced {args.announce} batches ahead" if args.announce is not None else "")
+             + (f"; a training pipeline with lookahead={args.pipeline}: accesses are the rows entering its "
+                "working set, and 'to home' the dirty rows the cache wrote back" if args.pipeline is not None
+                else "")]
     head = f"{'table':<12} {'policy':<12} {'capacity':>10} {'hit %':>7} {'belady %':>9} {'of MIN':>7} " \
            f"{'fetched MiB':>12} {'ms/batch':>9}"
     if args.lookahead:
         head += f" {'demand miss':>12}"
+    if args.pipeline is not None:
+        head += f" {'to home':>10}"
     lines.append(head)
     for r in records:
         # no hit is possible (a capacity of 0, or no row used twice): the share of MIN is undefined
@@ -239,14 +260,17 @@ def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmode
                 f"{r['bytes_fetched'] / 2**20:12.2f} {1e3 * r['modelled_seconds_per_batch']:9.3f}")
         if args.lookahead:
             line += f" {r['demand_misses']:>12,}"
+        if args.pipeline is not None:
+            line += f" {r['home_writes']:>10,}"
         lines.append(line)
     return "\n".join(lines) + "\n"
 
 
-def _plot(groups, policies: list[str], path: str, marks: list[int | float] = (), announce: int | None = None) -> None:
+def _plot(groups, policies: list[str], path: str, marks: list[int | float] = (), announce: int | None = None,
+          pipeline: int | None = None) -> None:
     """Miss ratio against capacity as a share of the distinct rows (log scale), one panel per group;
     Belady's MIN dashed, the capacities asked for as dotted verticals (policies told ``announce`` batches
-    ahead when given)."""
+    ahead when given; the reads of a training pipeline with ``lookahead=pipeline`` when given)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -258,20 +282,23 @@ def _plot(groups, policies: list[str], path: str, marks: list[int | float] = (),
         for ax, (name, k, o) in zip(axes[0], groups):
             uniq = max(1, int(np.unique(k).size))
             caps = np.unique(np.geomspace(max(1.0, uniq / 10_000), uniq, num=32).astype(np.int64))
-            n = max(1, k.size)
+            n = max(1, k.size if pipeline is None else sum(r.size for _, r, _ in pipeline_accesses(k, o, pipeline)))
             for i, pol in enumerate([*policies, "belady"]):
-                hits = miss_ratio_curve(k, o, caps, pol, dedup=False, announce=None if pol == "belady" else announce)
+                ahead = None if pol == "belady" else announce
+                hits = miss_ratio_curve(k, o, caps, pol, dedup=False, announce=ahead) if pipeline is None else \
+                    pipeline_mrc(k, o, caps, pol, lookahead=pipeline, announce=ahead)
                 style = dict(color="black", linestyle="--") if pol == "belady" else \
                     dict(linestyle=("-", "-.", ":")[i % 3], linewidth=1.6)
-                told = announce is not None and pol != "belady"
-                ax.plot(100 * caps / uniq, 1 - hits / n, label=f"{pol}, announced {announce}" if told else pol, **style)
+                label = pol if ahead is None else f"{pol}, announced {announce}"
+                ax.plot(100 * caps / uniq, 1 - hits / n, label=label, **style)
                 bar.update(1)
             for cap in marks:
                 ax.axvline(100 * _rows(cap, uniq) / uniq, color="grey", linestyle=":", linewidth=0.8)
             ax.set_xscale("log")
             ax.set_xlabel(f"cache capacity (% of the {uniq:,} distinct rows)")
             ax.set_ylabel("miss ratio")
-            ax.set_title(f"miss-ratio curves: {name}")
+            ax.set_title(f"miss-ratio curves: {name}" + ("" if pipeline is None else
+                                                           f" (pipeline reads, lookahead={pipeline})"))
             ax.legend()
     fig.tight_layout()
     try:
@@ -329,10 +356,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     with progress_bar(total=len(runs) * trace.num_tables, desc="tune", unit="table", leave=False) as bar:
         res, *plain = [tune(trace, args.dram, args.device, row_bytes=row_bytes, dim=dim, dtype=args.dtype,
                             policies=args.policy, cost=cost, progress=bar.update, read_only=args.read_only,
-                            announce=k, device_in_host=in_host) for k in runs]
+                            announce=k, device_in_host=in_host, pipeline=args.pipeline) for k in runs]
     untold = plain[0].totals()["cache_hit_ratio"] if plain else None
     cfg = res.config()
     toml = (_announce_note(args.announce) + "\n" if args.announce is not None else "") + \
+        (f"# tuned for a training pipeline: train with ebc.pipeline(..., lookahead={args.pipeline})\n"
+         if args.pipeline is not None else "") + \
         (HOST_DEVICE_TOML_NOTE + "\n" if in_host else "") + cfg.to_toml()
     if args.out:
         atomic_write(args.out, toml.encode())
@@ -341,6 +370,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     parts = res.dram_breakdown()
     if args.json:
         print(json.dumps({"trace": args.trace, "out": args.out, "row_bytes": row_bytes, "announce": res.announce,
+                          "pipeline": res.pipeline,
                           "device_in_host": res.device_in_host,
                           "told_nothing_cache_hit_ratio": untold,
                           "device_bytes_used": dev_used, "dram_bytes_used": dram_used, "dram_breakdown": parts,
@@ -364,6 +394,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                      f"{p.home + ('/' + p.layout if p.home == 'ssd' else ''):<12} "
                      f"{100 * hits / max(1, p.accesses):6.2f}")
     rocks = [p for p in res.tables if p.home == "rocksdb"]
+    of_what = "deduplicated accesses" if res.pipeline is None else \
+        f"the rows a training pipeline with lookahead={res.pipeline} reads from the store"
     lines += [
         f"budget used  device {dev_used:,} of {args.device:,} B, DRAM {dram_used:,} of {args.dram:,} B "
         f"(cache rows {parts['cache_rows']:,}, cache directories {parts['cache_directories']:,}, "
@@ -380,9 +412,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                      f"64 MiB x {MEMTABLES})")
     lines += [
         f"expected     device hits {100 * tot['device_hit_ratio']:.2f}%, DRAM hits {100 * tot['dram_hit_ratio']:.2f}%,"
-        f" all caches {100 * tot['cache_hit_ratio']:.2f}% of deduplicated accesses"
+        f" all caches {100 * tot['cache_hit_ratio']:.2f}% of {of_what}"
         + (f", caches told {res.announce} batches ahead" if res.announce is not None else ""),
-        *([f"told nothing {100 * untold:.2f}% of deduplicated accesses from all caches under the same budget "
+        *([f"told nothing {100 * untold:.2f}% of {of_what} from all caches under the same budget "
            "(which needs no look-ahead state)"]
           if plain else []),
         f"modelled     {1e3 * tot['seconds_per_batch']:.3f} ms/batch vs all-DRAM "
