@@ -5,7 +5,9 @@
 
 Three runs on the same Zipf(1.05) batches, rowwise Adagrad:
 - resident: a DRAM tier holding every row over an mmap home (the baseline);
-- oversized, no look-ahead: a DRAM cache of 10% of the rows over an ssd home;
+- oversized, no look-ahead: a DRAM budget of 10% of the rows' bytes over an ssd home (by default the
+  plan ``tune --pipeline`` favours: ``lru+tinylfu`` caches over log-layout homes, whose slot maps the budget
+  pays; ``--policy lru --layout in_place`` was the default until session 23);
 - oversized, look-ahead k: the same, through ``ebc.pipeline(batches, lookahead=k)``;
 - with ``--announce A``, a fourth run: look-ahead k that also tells the caches
   each batch A batches beyond the window (``pipeline(..., announce=A)``), so the
@@ -93,6 +95,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lookahead", type=nonneg_int, default=3, help="batches the look-ahead run prefetches")
     ap.add_argument("--announce", type=nonneg_int, default=0, metavar="A",
                     help="also run look-ahead k telling the caches batches A beyond it (default 0: no such run)")
+    ap.add_argument("--policy", default="lru+tinylfu", help="the DRAM caches' policy (default lru+tinylfu)")
+    ap.add_argument("--layout", choices=["in_place", "log"], default="log",
+                    help="the ssd homes' layout (default log, as tune plans for caches holding part of a table); "
+                         "log pays its slot maps (4 bytes a row) out of the 10%% DRAM budget, so its caches hold "
+                         "fewer rows")
     ap.add_argument("--cold", action="store_true",
                     help="start from fresh tables (rows at their initial values, nothing on disk yet) instead of "
                          "tables whose every row was imported")
@@ -109,8 +116,11 @@ def main(argv: list[str] | None = None) -> dict:
     weights = torch.from_numpy(rng.standard_normal((B, T, D)).astype(np.float32))
     row_bytes = 4 * (D + state_dim("rowwise_adagrad", D))
     full = (TierConfig("dram", rows * row_bytes), TierConfig("mmap"))
-    small = (TierConfig("dram", rows // 10 * row_bytes, policy="lru"), TierConfig("ssd"))
+    budget = rows // 10 * row_bytes
+    cache_rows = (budget - (4 * rows if args.layout == "log" else 0)) // row_bytes
+    small = (TierConfig("dram", cache_rows * row_bytes, policy=args.policy), TierConfig("ssd", layout=args.layout))
     out: dict = {"tables": T, "rows": rows, "batch": B, "steps": steps, "lookahead": args.lookahead,
+                 "policy": args.policy, "layout": args.layout, "cache_rows": cache_rows,
                  "start": "cold" if args.cold else "imported"}
     with tempfile.TemporaryDirectory() as tmp:
         out["resident"] = run(f"{tmp}/r", full, T, rows, D, batches, weights, None, not args.cold)
@@ -122,8 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = out["resident"]["samples_per_s"]
     out["ratio_k0"] = out["oversized_k0"]["samples_per_s"] / base
     out["ratio_k"] = out["oversized_k"]["samples_per_s"] / base
-    print(f"oversized training: {T} tables x {rows} rows (DRAM cache 10%), batch {B}, Zipf 1.05, {steps} steps, "
-          f"{out['start']} tables")
+    print(f"oversized training: {T} tables x {rows} rows (DRAM budget 10%: {cache_rows} cache rows, {args.policy}, "
+          f"ssd homes {args.layout}), batch {B}, Zipf 1.05, {steps} steps, {out['start']} tables")
     print(f"  resident          {base:10.0f} samples/s")
     print(f"  10x, no lookahead {out['oversized_k0']['samples_per_s']:10.0f} samples/s  {out['ratio_k0']:.2f}x  "
           f"demand misses {out['oversized_k0']['demand_misses']}")
