@@ -132,7 +132,7 @@ def tune_tiers(trace_path: Path, size: DemoSize, base: Path, say: Callable[..., 
     from embstore.tuning import tune
 
     trace = traces.load(trace_path)
-    res = tune(trace, size.dram_budget, 0, row_bytes=_row_bytes(), dim=DIM)
+    res = tune(trace, size.dram_budget, 0, row_bytes=_row_bytes(), dim=DIM, pipeline=LOOKAHEAD)
     tuned_path = base / "tuned.toml"
     atomic_write(tuned_path, res.config().to_toml().encode())
     say(f"   {'table':<8} {'rows':>9} {'unique':>8} {'acc/byte':>9} {'dram rows':>10} {'policy':<12} "
@@ -148,7 +148,8 @@ def tune_tiers(trace_path: Path, size: DemoSize, base: Path, say: Callable[..., 
     say(f"   DRAM used {_fmt_bytes(res.used_bytes()[1])} of {_fmt_bytes(size.dram_budget)} (cache rows "
         f"{_fmt_bytes(parts['cache_rows'])}, their directories {_fmt_bytes(parts['cache_directories'])}, home "
         f"indexes {_fmt_bytes(parts['home_indexes'])}); expected "
-        f"{100 * tot['cache_hit_ratio']:.1f}% of deduplicated reads served from DRAM -> {tuned_path}")
+        f"{100 * tot['cache_hit_ratio']:.1f}% of the rows training's pipeline (look-ahead {LOOKAHEAD}) reads from "
+        f"the store served from DRAM -> {tuned_path}")
     return res, tuned_path
 
 
@@ -175,6 +176,13 @@ def train_config(size: DemoSize, steps: int, plan: Any) -> Any:
     schedule = ScheduleConfig(epochs=1, eval_every=max(1, steps // 4), lookahead=LOOKAHEAD, dense_lr=0.02,
                               sparse_lr=0.05, seed=SEED)
     return TrainConfig(data, model, StoreSection("", tuple(tables)), schedule)
+
+
+def dram_hit_ratio(tier_stats: dict[str, dict]) -> float | None:
+    """Hits over reads of every table's DRAM cache (None where no table has one, or nothing was read)."""
+    tiers = [st["dram"] for st in tier_stats.values() if "dram" in st]
+    reads = sum(t["hits"] + t["misses"] for t in tiers)
+    return sum(t["hits"] for t in tiers) / reads if reads else None
 
 
 # --------------------------------------------------------------------------- 3. serve
@@ -337,6 +345,11 @@ def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool
     store_path = run_dir / "store"
     say(f"   trained {result.step} steps at {result.samples_per_s:,.0f} samples/s: held-out AUC {last.auc:.4f}, "
         f"log loss {last.log_loss:.4f}, NE {last.ne:.4f} ({last.samples:,} samples, CTR {last.ctr:.3f})")
+    served_dram = dram_hit_ratio(result.tier_stats)
+    if served_dram is not None:
+        say(f"   the DRAM caches served {100 * served_dram:.1f}% of the rows the run read from the store "
+            f"(tune expected {100 * plan.totals()['cache_hit_ratio']:.1f}% over the {size.trace_batches} batches "
+            "recorded, whose caches start empty)")
     say(f"   curves: {run_dir / 'curves.png'}")
 
     t0 = time.perf_counter()
@@ -350,7 +363,8 @@ def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool
     summary: dict[str, Any] = {
         "quick": quick, "steps": result.step, "size": asdict(size),
         "train": {"auc": last.auc, "log_loss": last.log_loss, "ne": last.ne, "samples": last.samples,
-                  "samples_per_s": result.samples_per_s},
+                  "samples_per_s": result.samples_per_s, "dram_hit_ratio": served_dram},
+        "expected_dram_hit_ratio": plan.totals()["cache_hit_ratio"],
         "tuned": {p.name: {"dram_rows": p.dram_rows, "policy": p.dram_policy, "home": p.home,
                            "unique_rows": p.unique_rows} for p in plan.tables},
         "served": served, "timings": timings, **{k: str(v) for k, v in files.items()}}

@@ -386,9 +386,12 @@ def pipeline_mrc(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLike, p
 
 
 def table_keys(trace: Trace, table: int) -> tuple[Ids, Offsets]:
-    """One table's accesses (ids) and batch offsets: what that table's own hierarchy sees."""
+    """One table's accesses (ids) and batch offsets: what that table's own hierarchy sees, one batch per
+    trace batch holding its accesses. A recorded trace has one batch per table call, so the other tables'
+    calls would be empty batches here; they are no steps of this table's store, and a look-ahead window
+    (``announce``, a pipeline's ``lookahead``) counts the table's own batches."""
     sel = trace.table == table
-    return trace.ids[sel], _next_offsets(sel, trace.batch_offsets)
+    return trace.ids[sel], np.unique(_next_offsets(sel, trace.batch_offsets))
 
 
 def replay_trace(trace: Trace, levels: Sequence[tuple[PolicySpec | str, int]], *, per_table: bool = False,

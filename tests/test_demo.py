@@ -29,6 +29,8 @@ def test_served_answers_equal_direct_reads_and_the_model_learned(demo):
     assert s["served"]["served_samples"] == QUICK.served_samples
     assert all(0 < x < 1 for x in s["served"]["first_scores"])
     assert s["steps"] == QUICK.steps
+    # tune sized the caches for the training pipeline's reads, and the run reports what they served
+    assert 0 < s["expected_dram_hit_ratio"] < 1 and 0 < s["train"]["dram_hit_ratio"] < 1
 
 
 def test_files_exist_and_hold_what_the_summary_says(demo):

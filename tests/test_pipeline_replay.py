@@ -250,3 +250,45 @@ def test_tune_for_a_pipeline_sizes_on_its_reads(trace_path, tmp_path, capsys) ->
     assert "ebc.pipeline(..., lookahead=1)" in out.read_text()
     assert main(["tune", str(trace_path), "--dram", "256KiB", "--dim", "16", "--pipeline", "1"]) == 0
     assert "reads from the store" in capsys.readouterr().out
+
+
+def test_a_recorded_trace_counts_each_tables_own_batches() -> None:
+    """A recorded trace holds one batch per table call; each table's replay (and so tune) steps through its own
+    batches, as that table's store does, not through the other tables' calls, which would stretch the window."""
+    from embstore.simulator import table_keys
+    from embstore.traces import Trace
+    from embstore.tuning import tune
+
+    rng = np.random.default_rng(11)
+    batches = [[rng.integers(0, 60, 15), rng.integers(0, 40, 9)] for _ in range(20)]
+
+    def trace(per_call: bool) -> Trace:
+        parts = [(b[t], t) for b in batches for t in (0, 1)]
+        ids = np.concatenate([x for x, _ in parts])
+        table = np.concatenate([np.full(x.size, t, np.int32) for x, t in parts])
+        sizes = [x.size for x, _ in parts] if per_call else [b[0].size + b[1].size for b in batches]
+        return Trace(ids, table, np.cumsum([0] + sizes).astype(np.int64), ("a", "b"))
+
+    recorded, batched = trace(True), trace(False)
+    assert recorded.num_batches == 2 * batched.num_batches
+    for t in (0, 1):
+        keys, off = table_keys(recorded, t)
+        assert off.size == len(batches) + 1
+        np.testing.assert_array_equal(off, table_keys(batched, t)[1])
+        one = replay_pipeline(keys, off, [("lru", 10)], lookahead=2, announce=3)
+        assert one.batches == len(batches)
+    plans = [tune(tr, 8 << 10, row_bytes=64, pipeline=2, announce=1).tables for tr in (recorded, batched)]
+    assert [(p.dram_rows, p.dram_policy, p.accesses) for p in plans[0]] == \
+        [(p.dram_rows, p.dram_policy, p.accesses) for p in plans[1]]
+
+
+def test_the_demos_dram_hit_ratio_sums_every_tables_dram_tier() -> None:
+    """Over ``TrainResult.tier_stats`` (every table's ``stats()`` at the end of a run; the demo's test checks it
+    is filled): hits over reads of the DRAM tiers alone, undefined where none was read."""
+    from embstore.demo import dram_hit_ratio
+
+    stats = {"a": {"dram": {"hits": 3, "misses": 1}, "ssd": {"hits": 1, "misses": 0}},
+             "b": {"dram": {"hits": 1, "misses": 3}}, "c": {"mmap": {"hits": 5, "misses": 0}}}
+    assert dram_hit_ratio(stats) == 0.5
+    assert dram_hit_ratio({"c": stats["c"]}) is None
+    assert dram_hit_ratio({"a": {"dram": {"hits": 0, "misses": 0}}}) is None

@@ -318,6 +318,7 @@ class TrainResult:
     stopped_early: bool = False
     malformed_lines: int = 0
     resumed_from: int | None = None  # the checkpoint's step, when the run resumed
+    tier_stats: dict[str, dict] = field(default_factory=dict)  # per table, at the end: Table.stats()
 
 
 # --------------------------------------------------------------------------- data
@@ -860,6 +861,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
             ebc.flush()  # the rows first (the final checkpoint flushed them already: this costs nothing then)
             store.flush()
             save_model(store_path, SERVED_MODEL, model_spec(cfg, data.num_dense), model)
+        result.tier_stats = {t.name: t.stats() for t in ebc.tables}  # training's and evaluation's reads
     finally:
         if bar is not None:
             bar.close()
