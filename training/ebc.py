@@ -200,8 +200,9 @@ class _Teller:
 
 def _tier_lock(ws: Any) -> Any:
     """The table's lock where the working set is the table's own tier (``Table.update`` writes rows there,
-    under that lock, while a served model reads them: without it a score could pool a half-written PUT);
-    a bounded working set holds copies, read under the collection's lock alone."""
+    under that lock, while a served model reads them: without it a score could pool a half-written PUT, and a
+    lookup read a half-stepped row); a bounded working set holds copies, used under the collection's lock
+    alone. Taken after the collection's lock, everywhere."""
     return ws.table._lock if isinstance(ws, ResidentWorkingSet) else contextlib.nullcontext()
 
 
@@ -623,8 +624,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         ws = self.ws[t]
 
         def step(grad: torch.Tensor) -> None:
-            with self._lock:
-                self._check_step_order(batch, t)
+            with self._lock, _tier_lock(ws):  # a resident table's rows are stepped in place: no lookup, PUT or
+                self._check_step_order(batch, t)  # flush on another thread may see them half done
                 grad = grad.to(torch.float32).contiguous()
                 check_finite_gradient(grad, self.table_names[t])
                 skipped = self._step_table(batch, t, grad, bag_grad)
@@ -711,7 +712,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         ws = self.ws[t]
 
         def step(grad: torch.Tensor) -> None:
-            with self._lock:
+            with self._lock, _tier_lock(ws):  # the rows are stored in the table's own tier, as in _stepper
                 self._check_step_order(batch, t)
                 grad = grad.to(torch.float32).contiguous()
                 w, st = ws.rows.index_select(0, uniq), ws.state.index_select(0, uniq)
