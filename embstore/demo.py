@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -178,6 +179,11 @@ def train_config(size: DemoSize, steps: int, plan: Any) -> Any:
     return TrainConfig(data, model, StoreSection("", tuple(tables)), schedule)
 
 
+def _metric(value: float) -> str:
+    """A metric for a line of text: 'undefined' where it is NaN (an AUC over one-class labels)."""
+    return "undefined (one-class labels)" if math.isnan(value) else f"{value:.4f}"
+
+
 def dram_hit_ratio(tier_stats: dict[str, dict]) -> float | None:
     """Hits over reads of every table's DRAM cache (None where no table has one, or nothing was read)."""
     tiers = [st["dram"] for st in tier_stats.values() if "dram" in st]
@@ -273,7 +279,7 @@ def serve_and_check(store_path: Path, size: DemoSize, cfg: Any, say: Callable[..
     served_auc = float(auc(samples["labels"], scores))
     say(f"   scored {len(scores):,} held-out samples with the served model in {predict_s:.2f} s; first five: "
         + ", ".join(f"{s:.3f} (clicked {int(y)})" for s, y in zip(scores[:5], samples["labels"][:5])))
-    say(f"   served AUC {served_auc:.4f}; the first {k} scores {'equal' if scores_equal else 'DIFFER FROM'} "
+    say(f"   served AUC {_metric(served_auc)}; the first {k} scores {'equal' if scores_equal else 'DIFFER FROM'} "
         "the model scored directly from the store")
     return {"rows_equal": rows_equal, "pooled_equal": pooled_equal, "scores_equal": scores_equal,
             "served_auc": served_auc, "served_samples": int(len(scores)), "first_scores": scores[:5].tolist()}
@@ -302,7 +308,7 @@ def run(out_dir: str | Path | None = None, *, quick: bool = False, steps: int | 
 
 
 def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool) -> dict[str, Any]:
-    from embstore.training.trainer import train
+    from embstore.training.trainer import eval_line, json_safe, train
 
     say: Callable[..., None] = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     size = QUICK if quick else FULL
@@ -343,8 +349,8 @@ def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool
     timings["train_s"] = time.perf_counter() - t0
     last = result.evals[-1][1]
     store_path = run_dir / "store"
-    say(f"   trained {result.step} steps at {result.samples_per_s:,.0f} samples/s: held-out AUC {last.auc:.4f}, "
-        f"log loss {last.log_loss:.4f}, NE {last.ne:.4f} ({last.samples:,} samples, CTR {last.ctr:.3f})")
+    say(f"   trained {result.step} steps at {result.samples_per_s:,.0f} samples/s: held-out {eval_line(last)} "
+        f"({last.samples:,} samples, CTR {last.ctr:.3f})")
     served_dram = dram_hit_ratio(result.tier_stats)
     if served_dram is not None:
         say(f"   the DRAM caches served {100 * served_dram:.1f}% of the rows the run read from the store "
@@ -368,7 +374,8 @@ def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool
         "tuned": {p.name: {"dram_rows": p.dram_rows, "policy": p.dram_policy, "home": p.home,
                            "unique_rows": p.unique_rows} for p in plan.tables},
         "served": served, "timings": timings, **{k: str(v) for k, v in files.items()}}
-    atomic_write(files["summary"], json.dumps(summary, indent=1).encode())
+    # an AUC or NE undefined on one-class labels is null: strict JSON has no NaN
+    atomic_write(files["summary"], json.dumps(json_safe(summary), indent=1, allow_nan=False).encode())
     ok = served["rows_equal"] and served["pooled_equal"] and served["scores_equal"]
     say(f"\n4. done in {sum(timings.values()):.0f} s (trace+tune {timings['trace_and_tune_s']:.0f} s, "
         f"train {timings['train_s']:.0f} s, serve {timings['serve_s']:.0f} s); "

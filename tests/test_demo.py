@@ -84,3 +84,28 @@ def test_cli_exits_1_when_a_served_answer_differs(tmp_path, monkeypatch, capsys)
     assert "pooled_equal" in capsys.readouterr().err
     served["pooled_equal"] = True
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+
+
+def test_metrics_undefined_on_one_class_labels_print_as_such(tmp_path, monkeypatch, capsys):
+    """Held-out labels of one class leave AUC and NE undefined: the demo says so (it printed 'AUC nan',
+    'NE nan') and writes them as null in a summary.json that strict JSON parsers read (it wrote NaN)."""
+    import dataclasses
+
+    import embstore.training.metrics as metrics_mod
+    import embstore.training.trainer as trainer_mod
+
+    real = trainer_mod.evaluate
+
+    def one_class(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), auc=float("nan"), ne=float("nan"), ctr=0.0)
+    monkeypatch.setattr(trainer_mod, "evaluate", one_class)
+    monkeypatch.setattr(metrics_mod, "auc", lambda labels, scores: float("nan"))
+    assert main(["demo", "--quick", "--steps", "4", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "nan" not in text.lower()
+    assert "AUC and NE undefined" in text and "served AUC undefined" in text
+
+    def refuse(token):
+        raise AssertionError(f"non-strict JSON constant {token}")
+    s = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    assert s["train"]["auc"] is None and s["train"]["ne"] is None and s["served"]["served_auc"] is None

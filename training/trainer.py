@@ -875,19 +875,19 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
         metrics = {"step": result.step, "samples_per_s": result.samples_per_s,
                    "malformed_lines": result.malformed_lines,
                    "evals": [dict(step=s, **dataclasses.asdict(e)) for s, e in result.evals]}
-        text = json.dumps(_json_safe(metrics), indent=1, allow_nan=False)  # NaN is no JSON: strict parsers refuse it
+        text = json.dumps(json_safe(metrics), indent=1, allow_nan=False)  # NaN is no JSON: strict parsers refuse it
         atomic_write(out / "metrics.json", text.encode())  # a full disk keeps the old one
     return result
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """``value`` with every NaN or infinite float as None (JSON null): an undefined AUC or NE."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
