@@ -347,6 +347,12 @@ def replay_pipeline(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[Po
     lv = _levels(levels)
     check_batches(announce, "announce", allow_none=True)
     steps = pipeline_accesses(keys, batch_offsets, lookahead, trained)
+    return _replay_steps(steps, lv, int(lookahead), announce, trained, row_bytes, belady)
+
+
+def _replay_steps(steps: list[tuple[Ids, Ids, Ids]], lv: list[tuple[PolicySpec, int]], lookahead: int,
+                  announce: int | None, trained: bool, row_bytes: int, belady: bool) -> ReplayResult:
+    """``replay_pipeline`` over its ``pipeline_accesses`` (checked settings)."""
     reads = [r for _, r, _ in steps]
     k0 = np.concatenate(reads) if reads else np.zeros(0, np.int64)
     written = sum(int(w.size) for _, _, w in steps)
@@ -367,8 +373,8 @@ def replay_pipeline(keys: Ids, batch_offsets: Offsets, levels: Sequence[tuple[Po
                                    hits / reaching if reaching else 0.0, hits * row_bytes,
                                    (reaching - hits) * row_bytes, bh, bh / k0.size if k0.size else 0.0))
         reaching -= hits
-    demand = (int(k0.size) - (results[0].hits if results else 0)) if int(lookahead) == 0 else 0
-    return ReplayResult(int(k0.size), len(steps), tuple(results), home.reads, demand, int(lookahead), row_bytes,
+    demand = (int(k0.size) - (results[0].hits if results else 0)) if lookahead == 0 else 0
+    return ReplayResult(int(k0.size), len(steps), tuple(results), home.reads, demand, lookahead, row_bytes,
                         {"pipeline": True, "trained": bool(trained), "announce": announce,
                          "written_back": written, "home_writes": home.writes})
 
@@ -380,9 +386,11 @@ def pipeline_mrc(keys: Ids, batch_offsets: Offsets, capacities: npt.ArrayLike, p
     caps = _capacities(capacities)
     if isinstance(policy, str) and policy.strip().lower() == "belady":
         return belady_mrc(pipeline_min_keys(pipeline_accesses(keys, batch_offsets, lookahead, trained)), caps)
-    return np.array([replay_pipeline(keys, batch_offsets, [(policy, int(c))], lookahead=lookahead,
-                                     announce=announce, trained=trained, belady=False).levels[0].hits
-                     for c in caps.tolist()], np.int64)
+    check_batches(announce, "announce", allow_none=True)
+    spec = PolicySpec.parse(policy)
+    steps = pipeline_accesses(keys, batch_offsets, lookahead, trained)  # once for every capacity
+    return np.array([_replay_steps(steps, [(spec, int(c))], int(lookahead), announce, trained, 0, False)
+                     .levels[0].hits for c in caps.tolist()], np.int64)
 
 
 def table_keys(trace: Trace, table: int) -> tuple[Ids, Offsets]:
