@@ -40,8 +40,9 @@ from embstore.tiers.base import Tier
 from embstore.tiers.cache import DRAMTier
 from embstore.traces import Trace, dense_keys
 
-__all__ = ["LevelResult", "ReplayResult", "demand_misses", "miss_ratio_curve", "pipeline_accesses", "pipeline_min_keys", "pipeline_mrc",
-           "replay", "replay_keys", "replay_pipeline", "replay_trace", "simulate_pipeline", "table_keys", "window_unique"]
+__all__ = ["LevelResult", "ReplayResult", "demand_misses", "miss_ratio_curve", "pipeline_accesses",
+           "pipeline_min_keys", "pipeline_mrc", "replay", "replay_keys", "replay_pipeline", "replay_trace",
+           "simulate_pipeline", "table_keys", "window_unique"]
 
 Offsets = npt.NDArray[np.int64]
 

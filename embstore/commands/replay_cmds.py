@@ -17,7 +17,8 @@ from embstore.belady import dedup_batches
 from embstore.config import MAX_DIM, PolicySpec, RowDType
 from embstore.errors import ConfigError, InvalidInputError
 from embstore.rows import RowFormat
-from embstore.simulator import miss_ratio_curve, pipeline_accesses, pipeline_mrc, replay_keys, replay_pipeline, table_keys
+from embstore.simulator import (miss_ratio_curve, pipeline_accesses, pipeline_mrc, replay_keys, replay_pipeline,
+                                table_keys)
 from embstore.tiers.rocksdb import MEMTABLES
 from embstore.tuning import POLICIES, TuneResult, tune
 
