@@ -28,6 +28,10 @@ def _worker(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
         torch.set_num_threads(1)
         res = train(TrainConfig.from_toml(cfg_path), out, ctx=DistContext(rank, world), progress=False)
         np.save(Path(out) / f"losses{rank}.npy", np.array(res.losses))
+        # each rank reports its own shard's tier statistics, one entry per table
+        tables = TrainConfig.from_toml(cfg_path).store.tables
+        reads = [sum(s["hits"] + s["misses"] for s in res.tier_stats[t.name].values()) for t in tables]
+        np.save(Path(out) / f"reads{rank}.npy", np.array(reads))
         np.save(Path(out) / f"auc{rank}.npy", np.array([e.auc for _, e in res.evals]))
     finally:
         dist.destroy_process_group()
@@ -44,6 +48,8 @@ def test_two_gloo_processes_match_one_process(tmp_path):
         np.testing.assert_allclose(np.load(out / f"losses{r}.npy"), one.losses, rtol=2e-5, atol=1e-6)
         np.testing.assert_allclose(np.load(out / f"auc{r}.npy"), [e.auc for _, e in one.evals], atol=1e-3)
         assert (out / f"rank{r}" / "store").is_dir()
+        reads = np.load(out / f"reads{r}.npy")
+        assert len(reads) == len(TrainConfig.from_toml(cfg_path).store.tables) and (reads > 0).all()
         assert (out / "checkpoints" / "step_12" / f"rank{r}.pt").exists()
 
 

@@ -130,6 +130,11 @@ class ShardedEmbeddingBags(nn.Module):
         """Where this rank's bags come out (``TieredEmbeddingBagCollection.device``)."""
         return self.inner.device
 
+    @property
+    def tables(self) -> list:
+        """This rank's shard of each table (its store's ``Table``s), e.g. for its tier statistics."""
+        return self.inner.tables
+
     def shard(self, ids: Any, offsets: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's part of a global batch: owned physical rows, bags kept (possibly empty)."""
         id_list, off_list = normalize(self.table_names, ids, offsets)
