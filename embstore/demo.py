@@ -308,7 +308,8 @@ def run(out_dir: str | Path | None = None, *, quick: bool = False, steps: int | 
 
 
 def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool) -> dict[str, Any]:
-    from embstore.training.trainer import eval_line, json_safe, train
+    from embstore.training.metrics import json_safe
+    from embstore.training.trainer import eval_line, train
 
     say: Callable[..., None] = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     size = QUICK if quick else FULL

@@ -62,26 +62,3 @@ def test_a_lookup_never_reads_a_row_half_stepped(tmp_path) -> None:
         ebc.release()
         assert reads[0] > 0 and not torn, f"{len(torn)} of {reads[0]} lookups read half-stepped rows"
         np.testing.assert_array_equal(table.lookup(np.arange(ROWS)), np.full((ROWS, DIM), -400, np.float32))
-
-
-def test_a_put_racing_a_step_lands_whole_or_not_at_all(tmp_path) -> None:
-    """Rows written by PUTs (value 1000 + k) while training steps them: every row always holds one value
-    (a PUT's, or a PUT's or zero stepped some whole number of times), never half of each. (Today the GIL,
-    which both kernels hold, keeps them apart too; the table's lock makes it so without that.)"""
-    with _store(tmp_path / "s") as store:
-        table = store["t"]
-        table.update(np.arange(ROWS), np.zeros((ROWS, DIM), np.float32))
-        ebc = TieredEmbeddingBagCollection(store, ["t"], optimizer="sgd", lr=1.0)
-        stop, puts = threading.Event(), [0]
-
-        def write() -> None:
-            while not stop.is_set():
-                puts[0] += 1
-                table.update(np.arange(ROWS), np.full((ROWS, DIM), 1000 + puts[0], np.float32))
-        writer = threading.Thread(target=write)
-        writer.start()
-        _train(ebc, 400, stop)
-        writer.join()
-        ebc.release()
-        rows = table.lookup(np.arange(ROWS))
-        assert puts[0] > 0 and _uniform(rows), "a row holds part of a PUT and part of a step"

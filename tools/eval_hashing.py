@@ -67,8 +67,9 @@ from embstore.hashing import LearnedHash
 from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader
 from embstore.training.dlrm import DLRM, dense_optimizer
-from embstore.training.metrics import evaluate
+from embstore.training.metrics import EvalResult, evaluate, json_safe
 from embstore.training.optim import state_dim
+from embstore.training.trainer import eval_line
 
 VARIANTS = ("full", "mod", "qr", "learned")
 VALUE_BYTES = 4  # float32 rows
@@ -416,19 +417,29 @@ def evaluate_hashing(data: Prepared, cfg: RunConfig, say: Callable[[str], None] 
             say(f"[{v}] training {cfg.epochs} x {len(data.train)} steps")
             out[v] = train_variant(v, data, cfg, Path(tmp), say)
             r = out[v]
-            say(f"[{v}] held-out log loss {r['log_loss']:.4f}  AUC {r['auc']:.4f}  ({r['seconds']:.1f}s)")
+            held_out = EvalResult(r["auc"], r["log_loss"], r["ne"], r["samples"], r["ctr"])
+            say(f"[{v}] held-out {eval_line(held_out)}  ({r['seconds']:.1f}s)")  # AUC, NE undefined on one class
         return out
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """The figures of every variant, one line each; AUC and NE read 'undefined' where they have no value
+    (held-out labels of one class: they printed as 'nan'), and a last line says why."""
+    def metric(x: float) -> str:
+        return f"{x:>9.4f}" if math.isfinite(x) else f"{'undefined':>9}"
+
     head = (f"{'variant':<8} {'rows':>8} {'memory KiB':>11} {'/budget':>8} {'mapping KiB':>12} {'log loss':>9} "
-            f"{'AUC':>7} {'NE':>7} {'shared rows':>12} {'shared vecs':>12}")
+            f"{'AUC':>9} {'NE':>9} {'shared rows':>12} {'shared vecs':>12}")
     lines = [head, "-" * len(head)]
     for v, r in results.items():
         lines.append(f"{v:<8} {r['rows']:>8} {r['memory_bytes'] / 1024:>11.1f} "
                      f"{r['memory_bytes'] / r['budget_bytes']:>8.3f} {r['mapping_bytes'] / 1024:>12.1f} "
-                     f"{r['log_loss']:>9.4f} {r['auc']:>7.4f} {r['ne']:>7.4f} {r['shared_rows']:>12.3f} "
+                     f"{metric(r['log_loss'])} {metric(r['auc'])} {metric(r['ne'])} {r['shared_rows']:>12.3f} "
                      f"{r['shared_vectors']:>12.3f}")
+    one_class = {r["ctr"] for r in results.values() if r["ctr"] in (0.0, 1.0)}  # every variant: one held-out set
+    if one_class:
+        lines.append(f"AUC and NE undefined: the held-out labels are all one class "
+                     f"({'no clicks' if one_class == {0.0} else 'all clicks'})")
     return "\n".join(lines)
 
 
@@ -508,7 +519,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(format_table(results))
     out = {"config": {"data": source, "run": asdict(cfg), "full_rows": data.full_rows}, "results": results}
     if args.json:
-        atomic_write(args.json, json.dumps(out, indent=1).encode())  # a full disk keeps the previous file
+        # atomically: a full disk keeps the previous file; an undefined AUC or NE is null (strict JSON has no NaN)
+        atomic_write(args.json, json.dumps(json_safe(out), indent=1, allow_nan=False).encode())
     return out
 
 

@@ -609,7 +609,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         ws = self.ws[t]
 
         def gather() -> torch.Tensor:
-            with self._lock:
+            with self._lock, _tier_lock(ws):  # a resident tier's rows: a PUT on another thread must land whole
                 return ws.rows[torch.from_numpy(batch.slots[t]).to(ws.device)]
         return gather
 

@@ -54,7 +54,7 @@ from embstore.training.distributed import (DistContext, ShardedEmbeddingBags, av
                                            broadcast_parameters, hashless)
 from embstore.training.registry import _MAX_WIDTH as MAX_WIDTH, ModelSpec, retire_model, save_model
 from embstore.training.dlrm import DENSE_OPTIMIZERS, DLRM, dense_optimizer
-from embstore.training.metrics import EvalResult, evaluate
+from embstore.training.metrics import EvalResult, evaluate, json_safe
 from embstore.training.optim import _FLOAT32_MAX, OPTIMIZERS
 
 log = logging.getLogger("embstore.training.trainer")
@@ -878,17 +878,6 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
         text = json.dumps(json_safe(metrics), indent=1, allow_nan=False)  # NaN is no JSON: strict parsers refuse it
         atomic_write(out / "metrics.json", text.encode())  # a full disk keeps the old one
     return result
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with every NaN or infinite float as None (JSON null): an undefined AUC or NE."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def eval_line(ev: EvalResult) -> str:

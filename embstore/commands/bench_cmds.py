@@ -64,8 +64,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             logging.getLogger("embstore.cli").debug("benchmark %s failed", name, exc_info=True)
             print(f"embstore bench: {name} failed: {exc if str(exc) else type(exc).__name__}", file=sys.stderr)
     if args.json:
-        # atomically: a full disk keeps the previous figures, not a truncated JSON file
-        atomic_write(args.json, json.dumps(results, indent=2, default=_plain).encode())
+        from embstore.training.metrics import json_safe
+
+        # atomically: a full disk keeps the previous figures, not a truncated JSON file; an undefined figure
+        # (bench_server's percentile over a window that measured no request is NaN) is null: strict JSON
+        text = json.dumps(json_safe(results), indent=2, default=_plain, allow_nan=False)
+        atomic_write(args.json, text.encode())
     if failed:
         print(f"embstore bench: {len(failed)} of {len(failed) + len(results)} failed: {', '.join(failed)}",
               file=sys.stderr)
@@ -75,5 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _plain(value: object) -> object:
     """JSON for the numpy scalars and arrays in the figures (``float`` alone turned ints into floats and
-    failed on arrays)."""
-    return value.tolist() if hasattr(value, "tolist") else float(value)
+    failed on arrays), NaN and infinities as null: json.dumps checks what this returns for them too."""
+    from embstore.training.metrics import json_safe
+
+    return json_safe(value.tolist() if hasattr(value, "tolist") else float(value))
