@@ -21,7 +21,6 @@ cores; ``--quick`` about ten seconds.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import shutil
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from embstore.atomic import atomic_write
+from embstore import strict_json
 from embstore.errors import InvalidInputError
 
 __all__ = ["DemoSize", "FULL", "QUICK", "run"]
@@ -308,7 +308,6 @@ def run(out_dir: str | Path | None = None, *, quick: bool = False, steps: int | 
 
 
 def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool) -> dict[str, Any]:
-    from embstore.training.metrics import json_safe
     from embstore.training.trainer import eval_line, train
 
     say: Callable[..., None] = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
@@ -376,7 +375,7 @@ def _run(out_dir: str | Path | None, quick: bool, steps: int | None, quiet: bool
                            "unique_rows": p.unique_rows} for p in plan.tables},
         "served": served, "timings": timings, **{k: str(v) for k, v in files.items()}}
     # an AUC or NE undefined on one-class labels is null: strict JSON has no NaN
-    atomic_write(files["summary"], json.dumps(json_safe(summary), indent=1, allow_nan=False).encode())
+    atomic_write(files["summary"], strict_json.dumps(summary, indent=1).encode())
     ok = served["rows_equal"] and served["pooled_equal"] and served["scores_equal"]
     say(f"\n4. done in {sum(timings.values()):.0f} s (trace+tune {timings['trace_and_tune_s']:.0f} s, "
         f"train {timings['train_s']:.0f} s, serve {timings['serve_s']:.0f} s); "

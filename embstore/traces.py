@@ -565,13 +565,14 @@ class ReuseBucket:
 class ReuseDistance:
     """Distinct other rows between successive accesses of a row, measured on the
     per-batch deduplicated sequence (the accesses a cache of the store sees).
-    ``d < C`` means an LRU cache of C rows would hit."""
+    ``d < C`` means an LRU cache of C rows would hit. A trace with no re-access has no distances: the
+    percentiles are NaN and ``max`` is None (``trace stats`` prints "undefined", its JSON null)."""
 
-    reaccess_pct: float  # % of (deduplicated) accesses that revisit a row seen before
+    reaccess_pct: float  # % of (deduplicated) accesses that revisit a row seen before; NaN: no accesses
     p50: float
     p90: float
     p99: float
-    max: int
+    max: int | None
 
 
 @dataclass(frozen=True)
@@ -580,8 +581,8 @@ class TraceStats:
     batches: int
     tables: int
     unique_rows: int  # distinct (table, id) pairs in the whole trace
-    unique_ratio: float  # per batch: unique rows / lookups, lookup-weighted mean over batches
-    dedup_factor: float  # 1 / unique_ratio: lookups per distinct row in a batch
+    unique_ratio: float  # per batch: unique rows / lookups, lookup-weighted mean over batches; NaN: no accesses
+    dedup_factor: float  # 1 / unique_ratio: lookups per distinct row in a batch; NaN: no accesses
     reuse: tuple[ReuseBucket, ...]
     reuse_distance: ReuseDistance | None
 
@@ -617,7 +618,8 @@ def _batch_reuse(keys, offsets, num_keys, thresholds, uniq, rows_above, lookups_
 
 def batch_reuse(keys: Ids, batch_offsets: npt.NDArray[np.int64],
                 thresholds: tuple[int, ...] = REUSE_THRESHOLDS) -> tuple[float, tuple[ReuseBucket, ...]]:
-    """``(unique_ratio, buckets)`` of a key sequence, each lookup-weighted over batches."""
+    """``(unique_ratio, buckets)`` of a key sequence, each lookup-weighted over batches; all NaN (undefined)
+    when there is no lookup."""
     keys, num = densify(keys)
     nb = batch_offsets.size - 1
     th = np.asarray(thresholds, dtype=np.int64)
@@ -629,7 +631,7 @@ def batch_reuse(keys: Ids, batch_offsets: npt.NDArray[np.int64],
     n_b = np.diff(batch_offsets).astype(np.float64)
     total = n_b.sum()
     if total == 0:
-        return 0.0, tuple(ReuseBucket(int(k), 0.0, 0.0) for k in thresholds)
+        return math.nan, tuple(ReuseBucket(int(k), math.nan, math.nan) for k in thresholds)
     ok = uniq > 0
     w = n_b[ok] / total
     ratio = float(uniq.sum() / total)  # == sum_b w_b * U_b / N_b
@@ -655,15 +657,15 @@ def trace_stats(trace: Trace, *, reuse_distances: bool = True,
         if re.size:
             q = np.percentile(re, [50, 90, 99])
             rd = ReuseDistance(100.0 * re.size / d.size, float(q[0]), float(q[1]), float(q[2]), int(re.max()))
-        else:
-            rd = ReuseDistance(0.0, 0.0, 0.0, 0.0, 0)
+        else:  # nothing revisited: no distance to take percentiles of
+            rd = ReuseDistance(0.0 if d.size else math.nan, math.nan, math.nan, math.nan, None)
     return TraceStats(
         accesses=len(trace),
         batches=trace.num_batches,
         tables=trace.num_tables,
         unique_rows=num if len(trace) else 0,
         unique_ratio=ratio,
-        dedup_factor=(1.0 / ratio) if ratio > 0 else 0.0,
+        dedup_factor=1.0 / ratio if ratio > 0 else math.nan,  # ratio > 0 wherever it is defined
         reuse=buckets,
         reuse_distance=rd,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -368,8 +369,12 @@ def test_trace_stats_reuse_histogram_by_hand():
 
 def test_trace_stats_of_empty_trace():
     s = trace_stats(Trace(np.zeros(0, np.int64), np.zeros(0, np.int32), np.array([0])))
-    assert s.accesses == 0 and s.unique_rows == 0 and s.unique_ratio == 0.0
-    assert s.reuse_distance.reaccess_pct == 0.0
+    assert s.accesses == 0 and s.unique_rows == 0
+    # nothing was looked up: every ratio is undefined (NaN; null in --json), not a measured 0
+    assert math.isnan(s.unique_ratio) and math.isnan(s.dedup_factor)
+    assert all(math.isnan(b.rows_pct) and math.isnan(b.lookups_pct) for b in s.reuse)
+    rd = s.reuse_distance
+    assert math.isnan(rd.reaccess_pct) and math.isnan(rd.p50) and rd.max is None
 
 
 # --------------------------------------------------------------------------- command line

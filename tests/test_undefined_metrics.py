@@ -88,3 +88,82 @@ def test_bench_json_holds_undefined_figures_as_null(tmp_path, monkeypatch, capsy
     figures = strict_json(target.read_text())["empty"]
     assert figures == {"p50_ms": None, "p99_ms": None, "rps": 12.5, "per_round": [1.0, None], "slow": None,
                        "errors": 0}
+
+
+def test_json_safe_nulls_every_undefined_float_at_any_depth():
+    from embstore.strict_json import dumps, json_safe
+
+    value = {"a": math.nan, "b": [1.0, math.inf, (-math.inf, 2)], "c": {"d": math.nan, "e": "nan"}, "f": 3}
+    assert json_safe(value) == {"a": None, "b": [1.0, None, [None, 2]], "c": {"d": None, "e": "nan"}, "f": 3}
+    assert strict_json(dumps(value)) == json_safe(value)
+
+
+def _trace_file(path: Path, tables: dict[str, list[list[int]]]) -> Path:
+    """A trace of the given batches per table (the same number of batches each; a table may read nothing)."""
+    from embstore.traces import Trace, save
+
+    names = list(tables)
+    n_batches = len(next(iter(tables.values())))
+    ids, table, offsets = [], [], [0]
+    for b in range(n_batches):
+        for t, name in enumerate(names):
+            ids += tables[name][b]
+            table += [t] * len(tables[name][b])
+        offsets.append(len(ids))
+    save(Trace(np.array(ids, np.int64), np.array(table, np.int32), np.array(offsets, np.int64), tuple(names)),
+         path)
+    return path
+
+
+def test_trace_stats_of_an_empty_trace_are_undefined(tmp_path, capsys):
+    path = _trace_file(tmp_path / "empty.npz", {"a": [[]]})
+    assert main(["trace", "stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "per batch    undefined (no lookups)" in out
+    assert "re-accesses  undefined (no accesses)" in out
+    assert not NAN_OR_INF.search(out) and " 0.00" not in out  # no ratio reads as measured
+    assert main(["trace", "stats", str(path), "--json"]) == 0
+    rec = strict_json(capsys.readouterr().out)
+    assert rec["accesses"] == 0 and rec["unique_ratio"] is None and rec["dedup_factor"] is None
+    assert all(b["rows_pct"] is None and b["lookups_pct"] is None for b in rec["reuse"])
+    assert rec["reuse_distance"] == {"reaccess_pct": None, "p50": None, "p90": None, "p99": None, "max": None}
+
+
+def test_trace_stats_without_a_reaccess_has_no_reuse_distance(tmp_path, capsys):
+    path = _trace_file(tmp_path / "once.npz", {"a": [[1, 2, 2], [3, 4]]})  # 2 twice, but within one batch
+    assert main(["trace", "stats", str(path), "--json"]) == 0
+    rec = strict_json(capsys.readouterr().out)
+    assert rec["unique_ratio"] == pytest.approx(4 / 5)
+    assert rec["reuse_distance"] == {"reaccess_pct": 0.0, "p50": None, "p90": None, "p99": None, "max": None}
+    assert main(["trace", "stats", str(path)]) == 0
+    assert "p50, p90, p99, max: undefined (no row is accessed twice)" in capsys.readouterr().out
+
+
+def test_replay_per_table_of_a_table_never_read(tmp_path, capsys):
+    """Table b is in the trace but never read: its hit ratios are undefined ('-', null), table a's are not."""
+    path = _trace_file(tmp_path / "t.npz", {"a": [[1, 2, 3], [1, 2, 4]], "b": [[], []]})
+    args = ["replay", str(path), "--per-table", "--policy", "lru", "--capacity", "3"]
+    assert main(args + ["--json"]) == 0
+    recs = {r["table"]: r for r in map(strict_json, capsys.readouterr().out.splitlines())}
+    assert recs["b"]["accesses"] == 0 and recs["b"]["hit_ratio"] is None and recs["b"]["belady_hit_ratio"] is None
+    assert recs["a"]["accesses"] == 6 and recs["a"]["hits"] == 2 and recs["a"]["hit_ratio"] == pytest.approx(2 / 6)
+    assert main(args + ["--plot", str(tmp_path / "c.png")]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:] if line[:2] in "a b "}
+    assert rows["b"][3:6] == ["-", "-", "-"]  # hit %, belady %, of MIN
+    assert rows["a"][3] == "33.33"
+    assert (tmp_path / "c.png").stat().st_size > 0  # b's panel says 'no accesses' instead of a made-up curve
+
+
+def test_replay_per_table_shows_a_size_once_when_fractions_round_to_it(tmp_path, capsys):
+    path = _trace_file(tmp_path / "t.npz", {"a": [list(range(200))], "b": [[1, 2, 3]]})
+    args = ["replay", str(path), "--per-table", "--policy", "lru,lfu", "--capacity", "0.01,0.02,0.5"]
+    assert main(args + ["--json"]) == 0
+    recs = [strict_json(line) for line in capsys.readouterr().out.splitlines()]
+    sizes = {(r["table"], r["policy"]): [] for r in recs}
+    for r in recs:
+        sizes[r["table"], r["policy"]].append(r["capacity_rows"])
+    for pol in ("lru", "lfu"):
+        assert sizes["a", pol] == [2, 4, 100]  # 200 distinct rows: three sizes
+        assert sizes["b", pol] == [1, 2]  # 3 distinct rows: 0.01 and 0.02 both round to one row
+    assert main(args) == 0
+    assert "table b: capacity 0.02 rounds to 1 row as an earlier one does; shown once" in capsys.readouterr().out

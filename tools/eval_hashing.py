@@ -46,7 +46,6 @@ only for QR, whose quotient rows are always shared but whose pairs are unique).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -67,7 +66,8 @@ from embstore.hashing import LearnedHash
 from embstore.training import TieredEmbeddingBagCollection
 from embstore.training.data import ClickBatch, CriteoReader
 from embstore.training.dlrm import DLRM, dense_optimizer
-from embstore.training.metrics import EvalResult, evaluate, json_safe
+from embstore import strict_json
+from embstore.training.metrics import EvalResult, evaluate
 from embstore.training.optim import state_dim
 from embstore.training.trainer import eval_line
 
@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = {"config": {"data": source, "run": asdict(cfg), "full_rows": data.full_rows}, "results": results}
     if args.json:
         # atomically: a full disk keeps the previous file; an undefined AUC or NE is null (strict JSON has no NaN)
-        atomic_write(args.json, json.dumps(json_safe(out), indent=1, allow_nan=False).encode())
+        atomic_write(args.json, strict_json.dumps(out, indent=1).encode())
     return out
 
 

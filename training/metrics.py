@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -78,19 +77,6 @@ def normalized_entropy(labels: np.ndarray, probs: np.ndarray) -> float:
     return _ne(log_loss(labels, probs), float(y.mean()))
 
 
-def json_safe(value: Any) -> Any:
-    """``value`` with every NaN or infinite float as None (JSON null): an undefined AUC or NE (one-class
-    labels), a percentile over no samples. Python's json.dumps writes them as NaN / Infinity, which strict
-    parsers refuse; write with ``allow_nan=False`` after this. Tuples become lists, as json.dumps makes them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
 @dataclass(frozen=True)
 class EvalResult:
     """Metrics over one held-out pass."""
@@ -110,5 +96,5 @@ def evaluate(labels: np.ndarray, logits: np.ndarray) -> EvalResult:
     return EvalResult(auc(y, z), ll, _ne(ll, float(y.mean())), len(y), float(y.mean()))
 
 
-__all__ = ["EvalResult", "auc", "entropy", "evaluate", "json_safe", "log_loss", "log_loss_logits",
+__all__ = ["EvalResult", "auc", "entropy", "evaluate", "log_loss", "log_loss_logits",
            "normalized_entropy"]

@@ -24,7 +24,6 @@ stopped right at its last checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -54,7 +53,8 @@ from embstore.training.distributed import (DistContext, ShardedEmbeddingBags, av
                                            broadcast_parameters, hashless)
 from embstore.training.registry import _MAX_WIDTH as MAX_WIDTH, ModelSpec, retire_model, save_model
 from embstore.training.dlrm import DENSE_OPTIMIZERS, DLRM, dense_optimizer
-from embstore.training.metrics import EvalResult, evaluate, json_safe
+from embstore import strict_json
+from embstore.training.metrics import EvalResult, evaluate
 from embstore.training.optim import _FLOAT32_MAX, OPTIMIZERS
 
 log = logging.getLogger("embstore.training.trainer")
@@ -875,7 +875,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, ctx: DistCont
         metrics = {"step": result.step, "samples_per_s": result.samples_per_s,
                    "malformed_lines": result.malformed_lines,
                    "evals": [dict(step=s, **dataclasses.asdict(e)) for s, e in result.evals]}
-        text = json.dumps(json_safe(metrics), indent=1, allow_nan=False)  # NaN is no JSON: strict parsers refuse it
+        text = strict_json.dumps(metrics, indent=1)  # NaN is no JSON: strict parsers refuse it
         atomic_write(out / "metrics.json", text.encode())  # a full disk keeps the old one
     return result
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from embstore.atomic import atomic_write
+from embstore.strict_json import json_safe
 from embstore.commands.argtypes import unwritable
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "tools" / "bench"
@@ -64,8 +65,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             logging.getLogger("embstore.cli").debug("benchmark %s failed", name, exc_info=True)
             print(f"embstore bench: {name} failed: {exc if str(exc) else type(exc).__name__}", file=sys.stderr)
     if args.json:
-        from embstore.training.metrics import json_safe
-
         # atomically: a full disk keeps the previous figures, not a truncated JSON file; an undefined figure
         # (bench_server's percentile over a window that measured no request is NaN) is null: strict JSON
         text = json.dumps(json_safe(results), indent=2, default=_plain, allow_nan=False)
@@ -80,6 +79,4 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _plain(value: object) -> object:
     """JSON for the numpy scalars and arrays in the figures (``float`` alone turned ints into floats and
     failed on arrays), NaN and infinities as null: json.dumps checks what this returns for them too."""
-    from embstore.training.metrics import json_safe
-
     return json_safe(value.tolist() if hasattr(value, "tolist") else float(value))

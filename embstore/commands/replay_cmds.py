@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 from embstore.atomic import atomic_file, atomic_write
 from embstore.progress import progress_bar
 from embstore.commands.argtypes import nonneg_byte_size, nonneg_int, positive_int, unwritable
-from embstore import costmodel, traces
+from embstore import costmodel, strict_json, traces
 from embstore.belady import dedup_batches
 from embstore.config import MAX_DIM, PolicySpec, RowDType
 from embstore.errors import ConfigError, InvalidInputError
@@ -198,14 +199,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         keys, _ = traces.dense_keys(trace)
         groups.append(("all", *dedup_batches(keys, trace.batch_offsets)))
-    records = []
+    records, merged = [], []
     total = len(groups) * len(args.policy) * len(args.capacity)
     with progress_bar(total=total, desc="replay", unit="run", leave=False) as bar:
         for name, k, o in groups:
             uniq = int(np.unique(k).size)
+            sizes = [_rows(cap, uniq) for cap in args.capacity]
+            # fractions of a small table's distinct rows can round to one size: one record for it
+            merged += [(name, cap, rows) for i, (cap, rows) in enumerate(zip(args.capacity, sizes))
+                       if rows in sizes[:i]]
             for pol in args.policy:
-                for cap in args.capacity:
-                    rows = _rows(cap, uniq)
+                bar.update(len(sizes) - len(set(sizes)))
+                for rows in dict.fromkeys(sizes):  # each size once, in the order asked
                     level = [(pol, _simulated_rows(rows, uniq))]
                     res = replay_keys(k, o, level, row_bytes=args.row_bytes, lookahead=args.lookahead, dedup=False,
                                       announce=args.announce) if args.pipeline is None else \
@@ -213,8 +218,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                         row_bytes=args.row_bytes)
                     lv = res.levels[0]
                     secs = cost.batch_seconds([("dram", lv.hits), (args.home, lv.misses)]) / max(1, res.batches)
+                    # a table the trace never reads has no hit ratio: NaN here, null in --json
+                    ratios = (lv.hit_ratio, lv.belady_hit_ratio) if res.accesses else (math.nan, math.nan)
                     rec = {"policy": pol, "capacity_rows": rows, "accesses": res.accesses, "hits": lv.hits,
-                           "hit_ratio": lv.hit_ratio, "belady_hit_ratio": lv.belady_hit_ratio}
+                           "hit_ratio": ratios[0], "belady_hit_ratio": ratios[1]}
                     if args.per_table:
                         rec["table"] = name
                     if args.announce is not None:
@@ -228,14 +235,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     bar.update(1)
     if args.json:
         for rec in records:
-            print(json.dumps(rec))
+            print(strict_json.dumps(rec))
     else:
         sys.stdout.write(_format_replay(records, args, cost))
+        for name, cap, rows in merged:
+            print(f"table {name}: capacity {cap} rounds to {rows:,} row{'s' * (rows != 1)} as an earlier one "
+                  f"does; shown once")
     if args.plot:
         _plot(groups, args.policy, args.plot, args.capacity, args.announce, args.pipeline)
         if not args.json:
             print(f"wrote {args.plot}")
     return 0
+
+
+def _pct(ratio: float, width: int) -> str:
+    """A hit ratio as a percentage, '-' where it is undefined (no accesses)."""
+    return f"{100 * ratio:{width}.2f}" if math.isfinite(ratio) else f"{'-':>{width}}"
 
 
 def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmodel.CostModel) -> str:
@@ -255,9 +270,11 @@ def _format_replay(records: list[dict], args: argparse.Namespace, cost: costmode
     lines.append(head)
     for r in records:
         # no hit is possible (a capacity of 0, or no row used twice): the share of MIN is undefined
-        share = f"{100 * r['hit_ratio'] / r['belady_hit_ratio']:6.1f}%" if r["belady_hit_ratio"] else f"{'-':>7}"
+        # (a table with no accesses: every ratio is undefined)
+        hit, best = r["hit_ratio"], r["belady_hit_ratio"]
+        share = f"{100 * hit / best:6.1f}%" if best and math.isfinite(best) else f"{'-':>7}"
         line = (f"{r.get('table', 'all'):<12} {r['policy']:<12} {r['capacity_rows']:>10,} "
-                f"{100 * r['hit_ratio']:7.2f} {100 * r['belady_hit_ratio']:9.2f} {share} "
+                f"{_pct(hit, 7)} {_pct(best, 9)} {share} "
                 f"{r['bytes_fetched'] / 2**20:12.2f} {1e3 * r['modelled_seconds_per_batch']:9.3f}")
         if args.lookahead:
             line += f" {r['demand_misses']:>12,}"
@@ -281,7 +298,13 @@ def _plot(groups, policies: list[str], path: str, marks: list[int | float] = (),
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
     with progress_bar(total=len(groups) * (len(policies) + 1), desc="curves", unit="curve", leave=False) as bar:
         for ax, (name, k, o) in zip(axes[0], groups):
-            uniq = max(1, int(np.unique(k).size))
+            if not k.size:  # a table the trace never reads: no curve to draw (a miss ratio of 1 would be made up)
+                ax.text(0.5, 0.5, "no accesses", ha="center", va="center", transform=ax.transAxes)
+                ax.set_title(f"miss-ratio curves: {name}")
+                ax.set_xticks([]), ax.set_yticks([])
+                bar.update(len(policies) + 1)
+                continue
+            uniq = int(np.unique(k).size)
             caps = np.unique(np.geomspace(max(1.0, uniq / 10_000), uniq, num=32).astype(np.int64))
             n = max(1, k.size if pipeline is None else sum(r.size for _, r, _ in pipeline_accesses(k, o, pipeline)))
             for i, pol in enumerate([*policies, "belady"]):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from pathlib import Path
 
 
 from embstore.progress import progress_bar
 from embstore.commands.argtypes import nonneg_int, positive_int, share, unwritable
-from embstore import tracegen, traces
+from embstore import strict_json, tracegen, traces
 from embstore.errors import InvalidInputError
 
 
@@ -93,32 +93,41 @@ def cmd_stats(args: argparse.Namespace) -> int:
                       enabled=not args.no_reuse_distance, leave=False) as bar:
         st = traces.trace_stats(trace, reuse_distances=not args.no_reuse_distance, progress=bar.update)
     if args.json:
-        print(json.dumps({"trace": args.trace, **st.to_dict()}))
+        # an empty trace's ratios and a trace without re-accesses' distances are undefined: null, not NaN
+        print(strict_json.dumps({"trace": args.trace, **st.to_dict()}))
     else:
         sys.stdout.write(format_stats(st, args.trace))
     return 0
 
 
 def format_stats(st: traces.TraceStats, name: str) -> str:
-    """The readable table ``trace stats`` prints."""
+    """The readable table ``trace stats`` prints; an undefined figure (no accesses, no re-access) reads
+    'undefined' (it printed as 0, which reads as measured)."""
+    def pct(x: float, spec: str) -> str:
+        return format(x, spec) if math.isfinite(x) else format("undefined", f">{spec.split('.')[0]}")
+
+    per_batch = (f"unique {100 * st.unique_ratio:.1f}% of lookups, dedup {st.dedup_factor:.2f}x"
+                 if math.isfinite(st.unique_ratio) else "undefined (no lookups)")
     lines = [
         f"trace        {name}",
         f"accesses     {st.accesses:,}",
         f"batches      {st.batches:,}",
         f"tables       {st.tables:,}",
         f"unique rows  {st.unique_rows:,}  ((table, id) pairs in the whole trace)",
-        f"per batch    unique {100 * st.unique_ratio:.1f}% of lookups, dedup {st.dedup_factor:.2f}x",
+        f"per batch    {per_batch}",
         "",
         "reuse within a batch (lookup-weighted over batches)",
         "  reused > k   % of unique rows   % of lookups",
     ]
-    lines += [f"  {b.threshold:>10,}   {b.rows_pct:16.2f}   {b.lookups_pct:12.2f}" for b in st.reuse]
+    lines += [f"  {b.threshold:>10,}   {pct(b.rows_pct, '16.2f')}   {pct(b.lookups_pct, '12.2f')}" for b in st.reuse]
     rd = st.reuse_distance
     if rd is not None:
         lines += [
             "",
             "reuse distance (distinct other rows between reuses, per-batch deduplicated accesses)",
-            f"  re-accesses  {rd.reaccess_pct:.1f}% of deduplicated accesses",
-            f"  p50 {rd.p50:,.0f}   p90 {rd.p90:,.0f}   p99 {rd.p99:,.0f}   max {rd.max:,}",
+            (f"  re-accesses  {rd.reaccess_pct:.1f}% of deduplicated accesses" if math.isfinite(rd.reaccess_pct)
+             else "  re-accesses  undefined (no accesses)"),
+            (f"  p50 {rd.p50:,.0f}   p90 {rd.p90:,.0f}   p99 {rd.p99:,.0f}   max {rd.max:,}" if rd.max is not None
+             else "  p50, p90, p99, max: undefined (no row is accessed twice)"),
         ]
     return "\n".join(lines) + "\n"
