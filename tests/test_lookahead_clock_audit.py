@@ -142,8 +142,9 @@ def test_pipeline_accesses_against_a_set_model() -> None:
     """Reads: a batch's distinct rows (first occurrence) none of the k before it uses; write-backs after fetch
     j: batch j-k's rows none of j-k+1 .. j uses, in key order."""
     rng = np.random.default_rng(3)
-    batches = [rng.integers(0, 12, rng.integers(0, 9)) for _ in range(15)]
-    for k in range(4):
+    small = [rng.integers(0, 12, rng.integers(0, 9)) for _ in range(15)]
+    # ids past any dense range too: the rows are then renumbered by a hash before the last-use pass
+    for batches, k in [(small, k) for k in range(4)] + [([b * 2**58 + 7 for b in small], k) for k in (0, 2)]:
         for trained in (True, False):
             got = pipeline_accesses(*_trace(batches), k, trained)
             for j, (told, read, written) in enumerate(got):
