@@ -31,6 +31,9 @@ def test_served_answers_equal_direct_reads_and_the_model_learned(demo):
     assert s["steps"] == QUICK.steps
     # tune sized the caches for the training pipeline's reads, and the run reports what they served
     assert 0 < s["expected_dram_hit_ratio"] < 1 and 0 < s["train"]["dram_hit_ratio"] < 1
+    # tables tune gives every row in DRAM are trained in place, outside both figures
+    rows = {name: s["size"][f"{name}_rows"] for name in s["tuned"]}
+    assert s["held_whole_in_dram"] == [n for n, p in s["tuned"].items() if p["dram_rows"] >= rows[n]]
 
 
 def test_files_exist_and_hold_what_the_summary_says(demo):

@@ -282,13 +282,27 @@ def test_a_recorded_trace_counts_each_tables_own_batches() -> None:
         [(p.dram_rows, p.dram_policy, p.accesses) for p in plans[1]]
 
 
-def test_the_demos_dram_hit_ratio_sums_every_tables_dram_tier() -> None:
+def test_the_demos_dram_hit_ratio_is_dram_hits_over_every_tables_reads() -> None:
     """Over ``TrainResult.tier_stats`` (every table's ``stats()`` at the end of a run; the demo's test checks it
-    is filled): hits over reads of the DRAM tiers alone, undefined where none was read."""
-    from embstore.demo import dram_hit_ratio
+    is filled): DRAM hits over the rows read from each table's top tier, a table without a DRAM tier counting
+    as all misses, as tune's expectation counts it; tables held whole in DRAM (trained in place, no tier
+    counts their reads) left out of both; undefined where nothing was read or no table has a DRAM tier."""
+    from types import SimpleNamespace
+
+    from embstore.demo import dram_hit_ratio, expected_dram_hit_ratio
 
     stats = {"a": {"dram": {"hits": 3, "misses": 1}, "ssd": {"hits": 1, "misses": 0}},
-             "b": {"dram": {"hits": 1, "misses": 3}}, "c": {"mmap": {"hits": 5, "misses": 0}}}
-    assert dram_hit_ratio(stats) == 0.5
+             "b": {"dram": {"hits": 1, "misses": 3}}, "c": {"mmap": {"hits": 5, "misses": 0}},
+             "d": {"dram": {"hits": 0, "misses": 0}, "ssd": {"hits": 0, "misses": 0}}}
+    assert dram_hit_ratio(stats) == 4 / 13
+    assert dram_hit_ratio(stats, skip=["c"]) == 4 / 8
     assert dram_hit_ratio({"c": stats["c"]}) is None
-    assert dram_hit_ratio({"a": {"dram": {"hits": 0, "misses": 0}}}) is None
+    assert dram_hit_ratio({"d": stats["d"]}) is None
+
+    def plan(name, accesses, hits):
+        return SimpleNamespace(name=name, accesses=accesses,
+                               result=SimpleNamespace(levels=[SimpleNamespace(hits=h) for h in hits]))
+    tuned = SimpleNamespace(tables=[plan("a", 10, [4]), plan("b", 30, [0]), plan("site", 60, [60])])
+    assert expected_dram_hit_ratio(tuned) == 64 / 100
+    assert expected_dram_hit_ratio(tuned, skip=["site"]) == 4 / 40
+    assert expected_dram_hit_ratio(tuned, skip=["a", "b", "site"]) is None
