@@ -335,3 +335,11 @@ def test_policies_bench_reports_the_store_policies_told_batches_ahead(capsys) ->
     assert all(a >= b for a, b in zip(out["best_share_announced_32"], out["best_share_of_belady"]))
     assert min(out["best_share_announced_32"]) > max(out["best_share_of_belady"])
     assert out["announced"]["lfu+tinylfu K=4"]["hit_ratio"] != out["policies"]["lfu+tinylfu"]["hit_ratio"]
+
+
+def test_server_latency_over_a_window_without_requests_is_an_error() -> None:
+    """bench_server printed 'nan ms' (and --json held NaN) when a window measured no request."""
+    pct = _script("tools/bench/bench_server.py")._pct
+    assert pct([0.001, 0.002, 0.003], 50) == pytest.approx(2.0)
+    with pytest.raises(RuntimeError, match="no request completed"):
+        pct([], 99)

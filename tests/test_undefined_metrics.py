@@ -1,7 +1,7 @@
 """Metrics undefined on degenerate input print as 'undefined' and are null in strict JSON, never 'nan'.
 
 AUC and NE have no value when the held-out labels are all one class (NE's baseline, the entropy of the
-click rate, is 0 there); a benchmark's latency percentile has none over a window that measured no request.
+click rate, is 0 there); a benchmark may report a NaN or infinite figure (a ratio over nothing).
 Python prints such a float as 'nan' and ``json.dumps`` writes the token NaN, which strict JSON parsers
 (jq, JavaScript's JSON.parse, Go's encoding/json) refuse. Each test runs a real command on such input.
 
@@ -72,8 +72,9 @@ def test_eval_hashing_on_one_class_held_out_labels(tmp_path, capsys, label):
 
 def test_bench_json_holds_undefined_figures_as_null(tmp_path, monkeypatch, capsys):
     """Regression: ``embstore bench --json`` wrote a benchmark's undefined figure as NaN (bench_server's
-    latency percentile over a window that measured no request is float('nan')), also as numpy scalars and
-    inside arrays, which the writer's ``default`` turned into floats after the NaN check."""
+    latency percentile over a window that measured no request was float('nan'); it now fails the benchmark),
+    also as numpy scalars and inside arrays, which the writer's ``default`` turned into floats after the NaN
+    check."""
     from embstore.commands import bench_cmds
 
     (tmp_path / "bench_empty.py").write_text(

@@ -66,7 +66,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"embstore bench: {name} failed: {exc if str(exc) else type(exc).__name__}", file=sys.stderr)
     if args.json:
         # atomically: a full disk keeps the previous figures, not a truncated JSON file; an undefined figure
-        # (bench_server's percentile over a window that measured no request is NaN) is null: strict JSON
+        # (a ratio over nothing, a benchmark's NaN or infinity) is null: strict JSON
         text = json.dumps(json_safe(results), indent=2, default=_plain, allow_nan=False)
         atomic_write(args.json, text.encode())
     if failed:

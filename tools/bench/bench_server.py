@@ -113,7 +113,12 @@ class Server:
 
 
 def _pct(lat: list[float], q: float) -> float:
-    return float(np.percentile(np.array(lat) * 1e3, q)) if lat else float("nan")
+    """The q-th percentile of ``lat`` (seconds) in ms. A window that measured no request has none: the
+    benchmark failed (it printed 'nan ms' beside 0 req/s), so say so instead of reporting a figure."""
+    if not lat:
+        raise RuntimeError("no request completed in the measured window: the server answered nothing in time "
+                           "(see its log above); no latency to report")
+    return float(np.percentile(np.array(lat) * 1e3, q))
 
 
 class RawHTTP:
