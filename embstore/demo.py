@@ -194,11 +194,11 @@ def held_whole(size: DemoSize, plan: Any) -> list[str]:
 def dram_hit_ratio(tier_stats: dict[str, dict], skip: Sequence[str] = ()) -> float | None:
     """DRAM hits over the rows read from each table's top tier, tables in ``skip`` left out: what tune's
     ``expected_dram_hit_ratio`` predicts. None where no table has a DRAM tier, or nothing was read."""
-    tables = {name: st for name, st in tier_stats.items() if name not in skip and st}
-    reads = sum(next(iter(st.values()))["hits"] + next(iter(st.values()))["misses"] for st in tables.values())
-    if not reads or not any("dram" in st for st in tables.values()):
+    tables = [st for name, st in tier_stats.items() if name not in skip and st]
+    reads = sum(top["hits"] + top["misses"] for top in (next(iter(st.values())) for st in tables))  # fastest first
+    if not reads or not any("dram" in st for st in tables):
         return None
-    return sum(st["dram"]["hits"] for st in tables.values() if "dram" in st) / reads
+    return sum(st["dram"]["hits"] for st in tables if "dram" in st) / reads
 
 
 def expected_dram_hit_ratio(plan: Any, skip: Sequence[str] = ()) -> float | None:

@@ -96,5 +96,4 @@ def evaluate(labels: np.ndarray, logits: np.ndarray) -> EvalResult:
     return EvalResult(auc(y, z), ll, _ne(ll, float(y.mean())), len(y), float(y.mean()))
 
 
-__all__ = ["EvalResult", "auc", "entropy", "evaluate", "log_loss", "log_loss_logits",
-           "normalized_entropy"]
+__all__ = ["EvalResult", "auc", "entropy", "evaluate", "log_loss", "log_loss_logits", "normalized_entropy"]

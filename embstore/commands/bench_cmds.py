@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import sys
 from pathlib import Path
 
 from embstore.atomic import atomic_write
-from embstore.strict_json import json_safe
+from embstore import strict_json
 from embstore.commands.argtypes import unwritable
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "tools" / "bench"
@@ -67,8 +66,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         # atomically: a full disk keeps the previous figures, not a truncated JSON file; an undefined figure
         # (a ratio over nothing, a benchmark's NaN or infinity) is null: strict JSON
-        text = json.dumps(json_safe(results), indent=2, default=_plain, allow_nan=False)
-        atomic_write(args.json, text.encode())
+        atomic_write(args.json, strict_json.dumps(results, indent=2, default=_plain).encode())
     if failed:
         print(f"embstore bench: {len(failed)} of {len(failed) + len(results)} failed: {', '.join(failed)}",
               file=sys.stderr)
@@ -79,4 +77,4 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _plain(value: object) -> object:
     """JSON for the numpy scalars and arrays in the figures (``float`` alone turned ints into floats and
     failed on arrays), NaN and infinities as null: json.dumps checks what this returns for them too."""
-    return json_safe(value.tolist() if hasattr(value, "tolist") else float(value))
+    return strict_json.json_safe(value.tolist() if hasattr(value, "tolist") else float(value))

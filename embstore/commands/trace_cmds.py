@@ -103,8 +103,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def format_stats(st: traces.TraceStats, name: str) -> str:
     """The readable table ``trace stats`` prints; an undefined figure (no accesses, no re-access) reads
     'undefined' (it printed as 0, which reads as measured)."""
-    def pct(x: float, spec: str) -> str:
-        return format(x, spec) if math.isfinite(x) else format("undefined", f">{spec.split('.')[0]}")
+    def pct(x: float, width: int) -> str:
+        return f"{x:{width}.2f}" if math.isfinite(x) else f"{'undefined':>{width}}"
 
     per_batch = (f"unique {100 * st.unique_ratio:.1f}% of lookups, dedup {st.dedup_factor:.2f}x"
                  if math.isfinite(st.unique_ratio) else "undefined (no lookups)")
@@ -119,7 +119,7 @@ def format_stats(st: traces.TraceStats, name: str) -> str:
         "reuse within a batch (lookup-weighted over batches)",
         "  reused > k   % of unique rows   % of lookups",
     ]
-    lines += [f"  {b.threshold:>10,}   {pct(b.rows_pct, '16.2f')}   {pct(b.lookups_pct, '12.2f')}" for b in st.reuse]
+    lines += [f"  {b.threshold:>10,}   {pct(b.rows_pct, 16)}   {pct(b.lookups_pct, 12)}" for b in st.reuse]
     rd = st.reuse_distance
     if rd is not None:
         lines += [
