@@ -201,3 +201,25 @@ def run_side_by_side(d: CacheDirectory, ref: AnnouncedReference, ops) -> None:
             assert r.evicted_keys.tolist() == evicted
             assert r.rejected == ref.bypassed
     assert d.announced == len(ref.batches)
+
+
+def best_reads_served(steps, capacity: int) -> int:
+    """Brute force: the most reads any cache of ``capacity`` rows (no bypass: a read or written row lands,
+    evicting any resident row if full) serves under the pipeline's reads and write-backs."""
+    events = [(int(x), rd) for _, r, w in steps for rd, arr in ((True, r), (False, w)) for x in arr.tolist()]
+    memo: dict = {}
+
+    def go(i: int, held: frozenset) -> int:
+        if i == len(events):
+            return 0
+        if (i, held) in memo:
+            return memo[(i, held)]
+        x, rd = events[i]
+        hit = int(rd and x in held)
+        if x in held or len(held) < capacity:
+            best = go(i + 1, held | {x})
+        else:
+            best = max(go(i + 1, (held - {v}) | {x}) for v in held)
+        memo[(i, held)] = hit + best
+        return hit + best
+    return go(0, frozenset())

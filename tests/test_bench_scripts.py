@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_refs import optimum_with_bypass
+from cache_refs import best_reads_served, optimum_with_bypass
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
@@ -343,3 +343,37 @@ def test_server_latency_over_a_window_without_requests_is_an_error() -> None:
     assert pct([0.001, 0.002, 0.003], 50) == pytest.approx(2.0)
     with pytest.raises(RuntimeError, match="no request completed"):
         pct([], 99)
+
+
+def test_train_oversized_ceiling_is_a_floor_the_store_does_not_beat(capsys) -> None:
+    """Belady's floor on the homes' reads (the caches start empty, as MIN does) is at most what the store
+    read in the same run, and the ceiling it implies is a ratio no higher than 1."""
+    res = _script("tools/bench/bench_train_oversized.py").main(["--quick", "--steps", "3"])
+    ceiling, run = res["ceiling"], res["oversized_k"]
+    assert 0 < ceiling["floor"] <= run["ssd_rows_read_in_run"]
+    assert 0 < ceiling["floor_per_step"] <= ceiling["reads_per_step"]
+    assert 0 < ceiling["ratio"] <= 1
+    assert "ceiling (Belady's MIN" in capsys.readouterr().out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=3, max_size=3),
+                          st.lists(st.integers(0, 6), min_size=3, max_size=3)), min_size=2, max_size=5),
+       st.integers(0, 2), st.integers(1, 3))
+def test_train_oversized_floor_holds_for_caches_that_decline_rows(batches, k, cap) -> None:
+    """Against brute force (every choice tried): the floor is the pipeline's reads less the most a cache of
+    ``cap + 1`` rows serves without bypass, which is no less than what one of ``cap`` rows that may decline
+    to admit a row (as TinyLFU does) serves."""
+    import torch
+    from embstore.simulator import pipeline_accesses, pipeline_min_keys
+
+    tb = [([torch.tensor(a), torch.tensor(b)], None) for a, b in batches]
+    got = _script("tools/bench/bench_train_oversized.py").min_home_reads(tb, 2, k, cap, 1)
+    want = bypass = 0
+    for t in range(2):
+        steps = pipeline_accesses(np.concatenate([b[t] for b in batches]).astype(np.int64),
+                                  np.arange(0, 3 * len(batches) + 1, 3), k)
+        reads = sum(r.size for _, r, _ in steps)
+        want += reads - best_reads_served(steps, cap + 1)
+        bypass += reads - optimum_with_bypass(pipeline_min_keys(steps).tolist(), cap)
+    assert got["floor"] == want <= bypass

@@ -20,6 +20,8 @@ from embstore.simulator import pipeline_accesses, pipeline_min_keys, pipeline_mr
 from embstore.belady import belady_hits
 from embstore.training import TieredEmbeddingBagCollection
 
+from cache_refs import best_reads_served
+
 DIM = 4
 RB = 4 * DIM  # float32 rows, sgd: no optimizer state
 POLICIES = ["lru", "lfu", "clock", "lru+tinylfu", "lfu+tinylfu", "clock+tinylfu"]
@@ -131,28 +133,6 @@ def test_bad_settings_are_refused() -> None:
         pipeline_mrc(keys, off, [-1], "lru", lookahead=1)
 
 
-def _best_reads_served(steps, capacity: int) -> int:
-    """Brute force: the most reads any cache of ``capacity`` rows (no bypass: a read or written row lands,
-    evicting any resident row if full) serves under the pipeline's reads and write-backs."""
-    events = [(int(x), rd) for _, r, w in steps for rd, arr in ((True, r), (False, w)) for x in arr.tolist()]
-    memo: dict = {}
-
-    def go(i: int, held: frozenset) -> int:
-        if i == len(events):
-            return 0
-        if (i, held) in memo:
-            return memo[(i, held)]
-        x, rd = events[i]
-        hit = int(rd and x in held)
-        if x in held or len(held) < capacity:
-            best = go(i + 1, held | {x})
-        else:
-            best = max(go(i + 1, (held - {v}) | {x}) for v in held)
-        memo[(i, held)] = hit + best
-        return hit + best
-    return go(0, frozenset())
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 6), max_size=4).map(lambda x: np.array(x, np.int64)), min_size=1,
                 max_size=7), st.integers(0, 2), st.integers(1, 3), st.booleans())
@@ -162,7 +142,7 @@ def test_belady_beside_a_pipeline_is_the_brute_force_optimum(batches, k, cap, tr
     keys, off = _trace(batches)
     steps = pipeline_accesses(keys, off, k, trained)
     res = replay_pipeline(keys, off, [("lru", cap)], lookahead=k, trained=trained)
-    assert res.levels[0].belady_hits == _best_reads_served(steps, cap)
+    assert res.levels[0].belady_hits == best_reads_served(steps, cap)
 
 
 @settings(max_examples=40, deadline=None)

@@ -15,6 +15,11 @@ Three runs on the same Zipf(1.05) batches, rowwise Adagrad:
 Figures: samples/s of each oversized run / the resident run (goal >= 0.7x for
 look-ahead) and the forwards' demand misses (rows not in the working set when
 the batch's forward started) with and without look-ahead.
+
+It also prints the ceiling no cache policy can pass here: Belady's MIN over the reads and write-backs
+the look-ahead pipeline makes (``embstore.simulator.pipeline_min_keys``) at the same cache size leaves a
+number of home reads per timed step; at the run's own pages per home row read (at most one) and IOPS
+that is the least I/O time a step could take, against the resident step.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import numpy as np
 import torch
 
 import embstore
+from embstore.belady import belady_hits
 from embstore.config import StoreConfig, TableConfig, TierConfig
+from embstore.simulator import pipeline_accesses, pipeline_min_keys
 from embstore.training import TieredEmbeddingBagCollection, state_dim
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,13 +47,40 @@ WARM_STEPS = 2  # untimed steps at the start of each run
 
 
 def home_io(ebc: TieredEmbeddingBagCollection) -> np.ndarray:
-    """(pages read, pages written) by the tables' ssd homes so far (4 KiB pages; zeros for other homes)."""
-    total = np.zeros(2)
+    """(pages read, pages written, rows read) by the tables' ssd homes so far (4 KiB pages; zeros for other
+    homes)."""
+    total = np.zeros(3)
     for t in ebc.tables:
         st = t.stats().get("ssd")
         if st:
-            total += (st["bytes_read"] / 4096, st["bytes_written"] / 4096)
+            total += (st["bytes_read"] / 4096, st["bytes_written"] / 4096, st["hits"])
     return total
+
+
+def min_home_reads(batches, tables: int, lookahead: int, cache_rows: int, warm: int) -> dict:
+    """The fewest rows any cache of ``cache_rows`` rows a table could leave to the homes under the look-ahead
+    pipeline's reads and write-backs (``pipeline_min_keys``: write-backs fill a cache for free), over the
+    whole run and over the timed steps (per step), beside the rows the pipeline reads from the store.
+
+    The caches start empty, as the oversized runs' do (``run(..., reopen=True)``). MIN gets one row more than
+    the cache: a cache that may decline to admit a row (TinyLFU) serves at most what MIN without bypass
+    serves with one more row (that row holds the latest access). Every hit MIN finds over the whole run is
+    credited to the timed steps too, so the per-step floor holds even where its hits fall in the untimed
+    steps."""
+    offs = np.cumsum([0] + [len(b[0][0]) for b in batches])
+    timed = len(batches) - warm
+    out = dict.fromkeys(("reads", "floor", "reads_per_step", "floor_per_step"), 0.0)
+    for t in range(tables):
+        keys = np.concatenate([b[0][t].numpy() for b in batches])
+        steps = pipeline_accesses(keys, offs, lookahead)
+        served = belady_hits(pipeline_min_keys(steps), cache_rows + 1)
+        every = sum(r.size for _, r, _ in steps)
+        late = sum(r.size for _, r, _ in steps[warm:])
+        out["reads"] += every
+        out["floor"] += max(0, every - served)
+        out["reads_per_step"] += late / timed
+        out["floor_per_step"] += max(0, late - served) / timed
+    return out
 
 
 def _hit_ratio(ebc: TieredEmbeddingBagCollection) -> float:
@@ -56,17 +90,26 @@ def _hit_ratio(ebc: TieredEmbeddingBagCollection) -> float:
 
 
 def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, batches, weights, k: int | None,
-        imported: bool = True, announce: int = 0) -> dict:
-    store = embstore.create(path, StoreConfig(tuple(TableConfig(f"t{i}", rows, D, tiers=tiers) for i in range(T))))
-    ebc = TieredEmbeddingBagCollection(store, [f"t{i}" for i in range(T)], optimizer="rowwise_adagrad", lr=0.01)
+        imported: bool = True, announce: int = 0, reopen: bool = False) -> dict:
+    """One training run; with ``reopen`` the store is closed and opened again after the import, so its
+    caches start empty (as a training job's would after ``embstore import``), as Belady's MIN does."""
+    names = [f"t{i}" for i in range(T)]
+    store = embstore.create(path, StoreConfig(tuple(TableConfig(n, rows, D, tiers=tiers) for n in names)))
+    ebc = TieredEmbeddingBagCollection(store, names, optimizer="rowwise_adagrad", lr=0.01)
     if imported:  # every row written (as after `embstore import`): misses now read real rows from the home
         import_rows(ebc.tables)
         store.flush()
+        if reopen:
+            ebc.release()
+            store.close()
+            store = embstore.open(path)
+            ebc = TieredEmbeddingBagCollection(store, names, optimizer="rowwise_adagrad", lr=0.01)
     offs = batches[0][1]
     warm = WARM_STEPS
     t0, misses0 = 0.0, 0
+    start_io = home_io(ebc)
     it = batches if k is None else ebc.pipeline(batches, lookahead=k, sparse=lambda b: b, announce=announce)
-    io0 = np.zeros(2)
+    io0 = np.zeros(3)
     for i, (ids, o) in enumerate(it):
         if i == warm:
             t0 = time.perf_counter()
@@ -76,10 +119,12 @@ def run(path: str, tiers: tuple[TierConfig, ...], T: int, rows: int, D: int, bat
         (out.square() * weights).sum().backward()
     ebc._drain()  # the timed steps' prefetches and write-backs are part of their cost
     dt = time.perf_counter() - t0
-    reads, writes = (home_io(ebc) - io0) / (len(batches) - warm)
+    reads, writes, _ = (home_io(ebc) - io0) / (len(batches) - warm)
+    run_pages, _, run_rows = home_io(ebc) - start_io
     res = {"samples_per_s": (len(batches) - warm) * (len(offs[0]) - 1) / dt,
            "demand_misses": ebc.counters["demand_misses"] - misses0, "late_rows": ebc.counters["late_rows"],
            "stall_s": ebc.counters["stall_s"], "ssd_page_reads_per_step": reads, "ssd_page_writes_per_step": writes,
+           "ssd_rows_read_in_run": run_rows, "ssd_pages_read_in_run": run_pages,
            "step_s": dt / (len(batches) - warm),
            "dram_hit_ratio": _hit_ratio(ebc)}
     ebc.release()
@@ -124,11 +169,13 @@ def main(argv: list[str] | None = None) -> dict:
                  "start": "cold" if args.cold else "imported"}
     with tempfile.TemporaryDirectory() as tmp:
         out["resident"] = run(f"{tmp}/r", full, T, rows, D, batches, weights, None, not args.cold)
-        out["oversized_k0"] = run(f"{tmp}/o0", small, T, rows, D, batches, weights, None, not args.cold)
-        out["oversized_k"] = run(f"{tmp}/ok", small, T, rows, D, batches, weights, args.lookahead, not args.cold)
+        out["oversized_k0"] = run(f"{tmp}/o0", small, T, rows, D, batches, weights, None, not args.cold,
+                                  reopen=True)
+        out["oversized_k"] = run(f"{tmp}/ok", small, T, rows, D, batches, weights, args.lookahead, not args.cold,
+                                 reopen=True)
         if args.announce:
             out["oversized_told"] = run(f"{tmp}/ot", small, T, rows, D, batches, weights, args.lookahead,
-                                        not args.cold, args.announce)
+                                        not args.cold, args.announce, reopen=True)
     base = out["resident"]["samples_per_s"]
     out["ratio_k0"] = out["oversized_k0"]["samples_per_s"] / base
     out["ratio_k"] = out["oversized_k"]["samples_per_s"] / base
@@ -144,6 +191,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  ssd home per step (look-ahead run): {ok['ssd_page_reads_per_step']:.0f} page reads + "
           f"{ok['ssd_page_writes_per_step']:.0f} page writes in {1e3 * ok['step_s']:.0f} ms = "
           f"{ios / ok['step_s'] / 1e3:.1f} k IOPS; the resident step takes {1e3 * out['resident']['step_s']:.0f} ms")
+    floor = min_home_reads(batches, T, args.lookahead, cache_rows, WARM_STEPS)
+    # rows sharing a page cost one read; a layout's own extra reads (the log's cleaner) are no floor
+    pages_per_row = min(1.0, ok["ssd_pages_read_in_run"] / max(1.0, ok["ssd_rows_read_in_run"]))
+    least_io_s = floor["floor_per_step"] * pages_per_row / max(1.0, ios / ok["step_s"])
+    out["ceiling"] = {**floor, "pages_per_home_row": pages_per_row, "min_io_s_per_step": least_io_s,
+                      "ratio": out["resident"]["step_s"] / max(out["resident"]["step_s"], least_io_s)}
+    print(f"  ceiling (Belady's MIN, {cache_rows} cache rows, look-ahead {args.lookahead}): of the "
+          f"{floor['reads_per_step']:.0f} rows the pipeline reads a step, at least {floor['floor_per_step']:.0f} "
+          f"come from the homes (whole run: at least {floor['floor']:.0f}; this run {ok['ssd_rows_read_in_run']:.0f} "
+          f"rows in {ok['ssd_pages_read_in_run']:.0f} pages); at this run's {pages_per_row:.2f} pages a row and "
+          f"IOPS that is >= {1e3 * least_io_s:.0f} ms of I/O a step: <= {out['ceiling']['ratio']:.2f}x even with "
+          "the I/O hidden behind compute")
     if args.announce:
         told = out["oversized_told"]
         out["ratio_told"] = told["samples_per_s"] / base
