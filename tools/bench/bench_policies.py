@@ -29,6 +29,13 @@ count as "best"):
   counts mislead it and it is no ceiling.
 - ``topk-hindsight``: the best fixed set of rows chosen with the whole trace's
   counts (offline: it knows the future), filled on first access.
+- ``oracle-topk`` (drift 0 only): a fixed set of the rows drawn in the most
+  of ``ORACLE_BATCHES`` *later* batches of the same generator (a second sample
+  of the same popularity, not this trace's draws), filled on first access, no
+  other row admitted. On a trace whose popularity never changes, a fixed set of
+  the most popular rows is the most an online cache can expect to hit (it can
+  only learn the popularity), so this is about what a perfect online policy
+  would get.
 - ``ahead-K``: what a look-ahead window buys. A cache that sees the current
   batch and the next K (as a training pipeline can: its data loader reads ids
   ahead) and knows, for every row, its next use inside that window: it evicts
@@ -191,6 +198,32 @@ def lookahead_hits(keys, offsets, nxt, num_keys, max_count, capacity, ahead):  #
 
 
 AHEAD = (1, 4, 16, 32)
+ORACLE_BATCHES = 500  # later batches the popularity oracle counts (quick: 100)
+
+
+def popularity_oracle_hits(keys: np.ndarray, counts: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """Hits on ``keys`` at each capacity ``c`` in ``caps`` of a cache that admits only the ``c`` rows with the
+    highest ``counts`` (ties: the lower key) and keeps them: every access to one of them but its first."""
+    order = np.lexsort((np.arange(counts.size), -counts))
+    rank = np.empty(counts.size, np.int64)
+    rank[order] = np.arange(counts.size)
+    ranks = rank[keys]
+    first = rank[np.unique(keys)]
+    return np.array([int(np.count_nonzero(ranks < c) - np.count_nonzero(first < c)) for c in caps.tolist()],
+                    np.int64)
+
+
+def later_popularity(size: dict, drift: float, extra: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the bench trace's per-batch deduplicated keys, each row's count of the ``extra`` batches after it
+    that draw it), over one key space: the generator's batches are a prefix of a longer run of it."""
+    tr = tracegen.generate("dlrm2021", seed=0, drift=drift, **{**size, "batches": size["batches"] + extra})
+    dense = dense_keys(tr)[0]
+    off = tr.batch_offsets
+    cut = int(off[size["batches"]])
+    first = dedup_batches(dense[:cut], off[:size["batches"] + 1])[0]
+    later = dedup_batches(dense[cut:], off[size["batches"]:] - cut)[0]
+    return first, np.bincount(later, minlength=int(dense.max()) + 1 if dense.size else 0)
+
 ANNOUNCE = (4, 16, 32)  # batches the store policies are told ahead
 ANNOUNCED_POLICIES = ("lru+tinylfu", "lfu+tinylfu")
 
@@ -244,6 +277,10 @@ def main(argv: list[str] | None = None) -> dict:
     row("exact-lfu", np.array([exact_lfu_hits(keys, k, mc, int(c)) for c in caps]), out["references"])
     top = np.sort(counts)[::-1]
     row("topk-hindsight", np.array([int((top[:c] - 1).clip(0).sum()) for c in caps]), out["references"])
+    if args.drift == 0:
+        first, later = later_popularity(size, args.drift, 100 if args.quick else ORACLE_BATCHES)
+        assert first.size == keys.size  # the same accesses, keyed afresh
+        row("oracle-topk", popularity_oracle_hits(first, later, caps), out["references"])
     nxt = next_use(keys)
     for ahead in AHEAD:
         row(f"ahead-{ahead}", np.array([lookahead_hits(keys, off, nxt, k, mc, int(c), ahead) for c in caps]),
