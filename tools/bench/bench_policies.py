@@ -198,6 +198,9 @@ def lookahead_hits(keys, offsets, nxt, num_keys, max_count, capacity, ahead):  #
 
 
 AHEAD = (1, 4, 16, 32)
+ANNOUNCE = (4, 16, 32)  # batches the store policies are told ahead
+ANNOUNCED_POLICIES = ("lru+tinylfu", "lfu+tinylfu")
+
 ORACLE_BATCHES = 500  # later batches the popularity oracle counts (quick: 100)
 
 
@@ -213,19 +216,17 @@ def popularity_oracle_hits(keys: np.ndarray, counts: np.ndarray, caps: np.ndarra
                     np.int64)
 
 
-def later_popularity(size: dict, drift: float, extra: int) -> tuple[np.ndarray, np.ndarray]:
+def later_popularity(size: dict, extra: int) -> tuple[np.ndarray, np.ndarray]:
     """(the bench trace's per-batch deduplicated keys, each row's count of the ``extra`` batches after it
-    that draw it), over one key space: the generator's batches are a prefix of a longer run of it."""
-    tr = tracegen.generate("dlrm2021", seed=0, drift=drift, **{**size, "batches": size["batches"] + extra})
+    that draw it), over one key space: the generator's batches are a prefix of a longer run of it
+    (drift 0: a drifting ranking has no popularity to learn)."""
+    tr = tracegen.generate("dlrm2021", seed=0, **{**size, "batches": size["batches"] + extra})
     dense = dense_keys(tr)[0]
     off = tr.batch_offsets
     cut = int(off[size["batches"]])
     first = dedup_batches(dense[:cut], off[:size["batches"] + 1])[0]
     later = dedup_batches(dense[cut:], off[size["batches"]:] - cut)[0]
     return first, np.bincount(later, minlength=int(dense.max()) + 1 if dense.size else 0)
-
-ANNOUNCE = (4, 16, 32)  # batches the store policies are told ahead
-ANNOUNCED_POLICIES = ("lru+tinylfu", "lfu+tinylfu")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     top = np.sort(counts)[::-1]
     row("topk-hindsight", np.array([int((top[:c] - 1).clip(0).sum()) for c in caps]), out["references"])
     if args.drift == 0:
-        first, later = later_popularity(size, args.drift, 100 if args.quick else ORACLE_BATCHES)
+        first, later = later_popularity(size, 100 if args.quick else ORACLE_BATCHES)
         assert first.size == keys.size  # the same accesses, keyed afresh
         row("oracle-topk", popularity_oracle_hits(first, later, caps), out["references"])
     nxt = next_use(keys)
