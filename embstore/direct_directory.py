@@ -28,37 +28,33 @@ class DirectDirectory:
         self.capacity = int(num_rows)
         self.present = np.zeros(num_rows, np.bool_)
         self._resident = 0
-        self._bits = np.zeros((0, 0), np.uint64)
+        self._bits = np.zeros(0, np.uint64)
 
     @property
     def full(self) -> bool:
         """Every row is resident (then no key needs its ``present`` flag checked)."""
         return self._resident == self.capacity
 
-    def marks(self, threads: int) -> np.ndarray:
-        """Scratch bitmaps for counting distinct keys: one bit per row, a bitmap per thread, shape
-        (threads, words). Kept all zero between calls (the kernels using it clear what they set)."""
-        if self._bits.shape[0] < threads:
-            self._bits = np.zeros((threads, (self.capacity + 63) // 64), np.uint64)
-        return self._bits[:threads]
+    def marks(self) -> np.ndarray:
+        """Scratch bitmap for counting distinct keys, one bit per row, allocated on first use. Kept all
+        zero between calls (the kernel clears what it set)."""
+        if not self._bits.shape[0]:
+            self._bits = np.zeros((self.capacity + 63) // 64, np.uint64)
+        return self._bits
 
-    def count_resident(self, keys: Ids, threads: int = 1) -> int:
+    def count_resident(self, keys: Ids) -> int:
         """Number of distinct ``keys`` if every one is resident, else -1 (no dedup array needed).
 
         Keys outside ``[0, capacity)`` also give -1, so a caller may pass ids it
-        has not range-checked and validate them only on the slow path. With
-        ``threads`` > 1 (numba set to as many, ``embstore.kernels.kernel_threads``)
-        each thread marks a share of the keys in a bitmap of its own: 1.11-1.15
-        -> 0.81-0.95 ms for 8 x 82k ids on two cores (BENCHMARKS.md).
+        has not range-checked and validate them only on the slow path. One
+        thread: on two cores, waking numba's threads between torch's parallel
+        regions cost more than it saved (BENCHMARKS.md, session 26).
         """
-        marks = self.marks(threads)
-        if threads == 1:
-            return int(_count_resident_serial(keys, self.present, not self.full, marks))
-        return int(_count_resident_parallel(keys, self.present, not self.full, marks))
+        return int(_count_resident(keys, self.present, not self.full, self.marks()))
 
     @property
     def nbytes(self) -> int:
-        """The presence flags (a byte per row) and the scratch bitmaps of the distinct count."""
+        """The presence flags (a byte per row) and the scratch bitmap of the distinct count."""
         return self.present.nbytes + self._bits.nbytes
 
     @property
@@ -121,57 +117,30 @@ def _unmark(keys, lo, hi, bits):
 
 
 @numba.njit(cache=True, nogil=True)
-def _count_resident_serial(keys, present, check_present, bits):
-    """``DirectDirectory.count_resident`` on the calling thread (``bits`` has one row)."""
+def _count_resident(keys, present, check_present, bits):
+    """``DirectDirectory.count_resident``: mark every key's bit, then count the marks and clear them.
+
+    The counting sweep is a plain contiguous loop, which LLVM vectorises (a loop over per-thread
+    bitmaps nested inside it did not, and took half of a 20k-id count: 50 -> 16 us a call on AMD
+    Zen 5, BENCHMARKS.md, session 26). It is taken when the bitmap is smaller than four words a key;
+    otherwise revisiting the keys' words (a random access each) is cheaper.
+    """
     n = keys.shape[0]
-    stop = _mark_resident(keys, 0, n, present, check_present, bits[0])
+    stop = _mark_resident(keys, 0, n, present, check_present, bits)
     if stop < n:
-        _unmark(keys, 0, stop, bits[0])
+        _unmark(keys, 0, stop, bits)
         return -1
-    return _count_and_clear(keys, bits)
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _count_resident_parallel(keys, present, check_present, bits):
-    """``DirectDirectory.count_resident`` with one share of the keys per row of ``bits``."""
-    n = keys.shape[0]
-    parts = bits.shape[0]
-    stops = np.empty(parts, np.int64)
-    for p in numba.prange(parts):
-        stops[p] = _mark_resident(keys, n * p // parts, n * (p + 1) // parts, present, check_present, bits[p])
-    failed = False
-    for p in range(parts):
-        if stops[p] < n * (p + 1) // parts:
-            failed = True
-    if failed:
-        for p in range(parts):
-            _unmark(keys, n * p // parts, stops[p], bits[p])
-        return -1
-    return _count_and_clear(keys, bits)
-
-
-@numba.njit(cache=True, nogil=True)
-def _count_and_clear(keys, bits):
-    """Distinct keys marked in the OR of ``bits``' rows, which are left all zero. Sweeps the whole
-    bitmap when that is cheaper than revisiting the keys' words (a random access each)."""
-    parts, words = bits.shape
-    n = 0
-    if keys.shape[0] * 4 >= words * parts:
-        for w in range(words):
-            m = np.uint64(0)
-            for p in range(parts):
-                m |= bits[p, w]
-                bits[p, w] = 0
-            n += _popcount(m)
+    count = 0
+    if n * 4 >= bits.shape[0]:
+        for w in range(bits.shape[0]):
+            count += _popcount(bits[w])
+            bits[w] = 0
     else:
-        for i in range(keys.shape[0]):
+        for i in range(n):
             w = keys[i] >> 6
-            m = np.uint64(0)
-            for p in range(parts):
-                m |= bits[p, w]
-                bits[p, w] = 0
-            n += _popcount(m)
-    return n
+            count += _popcount(bits[w])
+            bits[w] = 0
+    return count
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

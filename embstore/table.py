@@ -23,7 +23,7 @@ from embstore.config import RowDType, TableConfig
 from embstore.direct_directory import DirectDirectory
 from embstore.errors import InvalidInputError, InvalidRowsError, StoreClosedError
 from embstore.hierarchy import Hierarchy
-from embstore.kernels import (gather_rows, kernel_threads, pool, pool_rows, rows_finite, unique_inverse,
+from embstore.kernels import (gather_rows, pool, pool_rows, rows_finite, unique_inverse,
                               unique_last)
 from embstore.tiers.cache import DeviceTier, DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
@@ -174,8 +174,7 @@ class Table:
         top = self._resident_tier()
         if top is None or rows.ndim != 1 or self.recorder is not None:
             return None
-        with kernel_threads(len(rows)) as threads:
-            n = top.directory.count_resident(rows, threads)
+        n = top.directory.count_resident(rows)
         if n < 0:
             return None
         top.counters.hits += n
@@ -217,8 +216,7 @@ class Table:
         else:
             arr, _ = as_ids(ids)
             rows = self.physical_rows(arr)
-            with kernel_threads(len(rows)) as threads:
-                n = top.directory.count_resident(rows, threads)
+            n = top.directory.count_resident(rows)
             if n < 0:
                 return None
             if (isinstance(ids, torch.Tensor) and ids.device == top.slab.device and ids.dtype == torch.int64
@@ -429,7 +427,7 @@ class Table:
                 or (self.mapper is not None and self.mapper.rows_per_id != 1)):
             return False
         phys = ids if self.mapper is None else self.mapper(ids)
-        distinct = top.directory.count_resident(phys)  # one thread, like the rest of this path (kernels.py)
+        distinct = top.directory.count_resident(phys)
         if distinct < 0 or not rows_finite(rows):
             return False
         top.overwrite_resident(phys, rows, distinct)
@@ -522,11 +520,18 @@ def _increasing(ids: Ids) -> bool:
 
 def _torch_pool(slab: np.ndarray, rows: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
     """Pool bags straight out of a resident float32 slab with torch's embedding_bag (fbgemm kernels).
-    Read-only index arrays (a server's binary request parsed in place) are copied: torch warns on them,
-    and a warning filter cannot be set per call in a threaded server."""
+
+    Calls the ATen op itself, with the offsets' last entry (``include_last_offset``): the functional
+    wrapper's checks repeat ours and cost a few microseconds a call. Read-only index arrays (a server's
+    binary request parsed in place) are copied: torch warns on them, and a warning filter cannot be
+    set per call in a threaded server."""
     import torch
 
     rows, offsets = (a if a.flags.writeable else a.copy() for a in (rows, offsets))
-    out = torch.nn.functional.embedding_bag(torch.from_numpy(rows), torch.from_numpy(slab),
-                                            torch.from_numpy(offsets[:-1]), mode=mode)
+    out = torch.embedding_bag(torch.from_numpy(slab), torch.from_numpy(rows), torch.from_numpy(offsets),
+                              False, _TORCH_BAG_MODES[mode], False, None, True)[0]
     return out.numpy()
+
+
+_TORCH_BAG_MODES = {"sum": 0, "mean": 1}
+"""``torch.embedding_bag``'s mode codes (ATen's EmbeddingBagMode)."""
