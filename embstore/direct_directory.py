@@ -28,33 +28,37 @@ class DirectDirectory:
         self.capacity = int(num_rows)
         self.present = np.zeros(num_rows, np.bool_)
         self._resident = 0
-        self._bits = np.zeros(0, np.uint64)
+        self._bits = np.zeros((0, 0), np.uint64)
 
     @property
     def full(self) -> bool:
         """Every row is resident (then no key needs its ``present`` flag checked)."""
         return self._resident == self.capacity
 
-    def marks(self) -> np.ndarray:
-        """Scratch bitmap for counting distinct keys, one bit per row, allocated on first use. Kept all
-        zero between calls (the kernel clears what it set)."""
-        if not self._bits.shape[0]:
-            self._bits = np.zeros((self.capacity + 63) // 64, np.uint64)
-        return self._bits
+    def marks(self, threads: int) -> np.ndarray:
+        """Scratch bitmaps for counting distinct keys: one bit per row, a bitmap per thread, shape
+        (threads, words). Kept all zero between calls (the kernels using it clear what they set)."""
+        if self._bits.shape[0] < threads:
+            self._bits = np.zeros((threads, (self.capacity + 63) // 64), np.uint64)
+        return self._bits[:threads]
 
-    def count_resident(self, keys: Ids) -> int:
+    def count_resident(self, keys: Ids, threads: int = 1) -> int:
         """Number of distinct ``keys`` if every one is resident, else -1 (no dedup array needed).
 
         Keys outside ``[0, capacity)`` also give -1, so a caller may pass ids it
-        has not range-checked and validate them only on the slow path. One
-        thread: on two cores, waking numba's threads between torch's parallel
-        regions cost more than it saved (BENCHMARKS.md, session 26).
+        has not range-checked and validate them only on the slow path. With
+        ``threads`` > 1 (numba set to as many, ``embstore.kernels.kernel_threads``)
+        each thread marks a share of the keys in a bitmap of its own: 1.11-1.15
+        -> 0.81-0.95 ms for 8 x 82k ids on two cores (BENCHMARKS.md, session 6).
         """
-        return int(_count_resident(keys, self.present, not self.full, self.marks()))
+        marks = self.marks(threads)
+        if threads == 1:
+            return int(_count_resident_serial(keys, self.present, not self.full, marks))
+        return int(_count_resident_parallel(keys, self.present, not self.full, marks))
 
     @property
     def nbytes(self) -> int:
-        """The presence flags (a byte per row) and the scratch bitmap of the distinct count."""
+        """The presence flags (a byte per row) and the scratch bitmaps of the distinct count."""
         return self.present.nbytes + self._bits.nbytes
 
     @property
@@ -118,7 +122,7 @@ def _unmark(keys, lo, hi, bits):
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _load_lines(bits):
-    """The OR of the first word of each cache line of ``bits``, read in order: zero, as the bitmap is
+    """The OR of the first word of each cache line of ``bits``, read in order: zero, as a bitmap is
     clear between calls. A call with many keys marks nearly every line, and by then the bitmap has
     gone cold (torch's pooling streams rows through the caches between calls); one sequential pass
     brings it back at the memory's streaming rate instead of a random miss per line. In
@@ -129,34 +133,74 @@ def _load_lines(bits):
     return acc != 0
 
 
-@numba.njit(cache=True, nogil=True)
-def _count_resident(keys, present, check_present, bits):
-    """``DirectDirectory.count_resident``: mark every key's bit, then count the marks and clear them.
-
-    The counting sweep is a plain contiguous loop, which LLVM vectorises (a loop over per-thread
-    bitmaps nested inside it did not, and took half of a 20k-id count: 50 -> 16 us a call on AMD
-    Zen 5, BENCHMARKS.md, session 26). It is taken when the bitmap is smaller than four words a key;
-    otherwise revisiting the keys' words (a random access each) is cheaper.
-    """
-    n = keys.shape[0]
-    dense = n * 4 >= bits.shape[0]
-    if dense and _load_lines(bits):
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mark_share(keys, lo, hi, present, check_present, bits):
+    """``_mark_resident`` of keys[lo:hi], the bitmap's lines loaded first when the share marks most."""
+    if (hi - lo) * 4 >= bits.shape[0] and _load_lines(bits):
         bits[:] = 0  # not reached: the bitmap is clear between calls (the test keeps the loads)
-    stop = _mark_resident(keys, 0, n, present, check_present, bits)
+    return _mark_resident(keys, lo, hi, present, check_present, bits)
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_resident_serial(keys, present, check_present, bits):
+    """``DirectDirectory.count_resident`` on the calling thread (``bits`` has one row)."""
+    n = keys.shape[0]
+    stop = _mark_share(keys, 0, n, present, check_present, bits[0])
     if stop < n:
-        _unmark(keys, 0, stop, bits)
+        _unmark(keys, 0, stop, bits[0])
         return -1
-    count = 0
-    if dense:
-        for w in range(bits.shape[0]):
-            count += _popcount(bits[w])
-            bits[w] = 0
+    return _count_and_clear(keys, bits)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _count_resident_parallel(keys, present, check_present, bits):
+    """``DirectDirectory.count_resident`` with one share of the keys per row of ``bits``."""
+    n = keys.shape[0]
+    parts = bits.shape[0]
+    stops = np.empty(parts, np.int64)
+    for p in numba.prange(parts):
+        stops[p] = _mark_share(keys, n * p // parts, n * (p + 1) // parts, present, check_present, bits[p])
+    failed = False
+    for p in range(parts):
+        if stops[p] < n * (p + 1) // parts:
+            failed = True
+    if failed:
+        for p in range(parts):
+            _unmark(keys, n * p // parts, stops[p], bits[p])
+        return -1
+    return _count_and_clear(keys, bits)
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_and_clear(keys, bits):
+    """Distinct keys marked in the OR of ``bits``' rows, which are left all zero. Sweeps the whole
+    bitmap when that is cheaper than revisiting the keys' words (a random access each).
+
+    The sweep folds the rows into row 0, then counts row 0: contiguous loops, which LLVM
+    vectorises. With the rows' loop inside the words' loop instead, it did not, and the sweep took
+    half of a 20k-id count (50 -> 16 us a call on AMD Zen 5; BENCHMARKS.md, session 26).
+    """
+    parts, words = bits.shape
+    n = 0
+    if keys.shape[0] * 4 >= words * parts:
+        first = bits[0]
+        for p in range(1, parts):
+            row = bits[p]
+            for w in range(words):
+                first[w] |= row[w]
+                row[w] = 0
+        for w in range(words):
+            n += _popcount(first[w])
+            first[w] = 0
     else:
-        for i in range(n):
+        for i in range(keys.shape[0]):
             w = keys[i] >> 6
-            count += _popcount(bits[w])
-            bits[w] = 0
-    return count
+            m = np.uint64(0)
+            for p in range(parts):
+                m |= bits[p, w]
+                bits[p, w] = 0
+            n += _popcount(m)
+    return n
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

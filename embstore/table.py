@@ -23,7 +23,7 @@ from embstore.config import RowDType, TableConfig
 from embstore.direct_directory import DirectDirectory
 from embstore.errors import InvalidInputError, InvalidRowsError, StoreClosedError
 from embstore.hierarchy import Hierarchy
-from embstore.kernels import (gather_rows, pool, pool_rows, rows_finite, unique_inverse,
+from embstore.kernels import (gather_rows, kernel_threads, pool, pool_rows, rows_finite, unique_inverse,
                               unique_last)
 from embstore.tiers.cache import DeviceTier, DRAMTier, MmapCacheTier
 from embstore.rows import RowFormat
@@ -174,7 +174,8 @@ class Table:
         top = self._resident_tier()
         if top is None or rows.ndim != 1 or self.recorder is not None:
             return None
-        n = top.directory.count_resident(rows)
+        with kernel_threads(len(rows)) as threads:
+            n = top.directory.count_resident(rows, threads)
         if n < 0:
             return None
         top.counters.hits += n
@@ -216,7 +217,8 @@ class Table:
         else:
             arr, _ = as_ids(ids)
             rows = self.physical_rows(arr)
-            n = top.directory.count_resident(rows)
+            with kernel_threads(len(rows)) as threads:
+                n = top.directory.count_resident(rows, threads)
             if n < 0:
                 return None
             if (isinstance(ids, torch.Tensor) and ids.device == top.slab.device and ids.dtype == torch.int64
@@ -427,7 +429,7 @@ class Table:
                 or (self.mapper is not None and self.mapper.rows_per_id != 1)):
             return False
         phys = ids if self.mapper is None else self.mapper(ids)
-        distinct = top.directory.count_resident(phys)
+        distinct = top.directory.count_resident(phys)  # one thread, like the rest of this path (kernels.py)
         if distinct < 0 or not rows_finite(rows):
             return False
         top.overwrite_resident(phys, rows, distinct)

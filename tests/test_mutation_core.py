@@ -155,12 +155,12 @@ def test_a_cache_of_no_rows_is_refused(make) -> None:
 @pytest.mark.parametrize("capacity", [1, 37, 100, 250])
 def test_cache_metadata_bytes_is_what_a_tier_holds(policy: str, capacity: int) -> None:
     """What ``tune`` sets aside beside a cache's slab (``cache_metadata_bytes``) is what the tier holds:
-    directory and dirty flags; for a whole-table tier, presence and dirty bytes per row plus the
-    distinct count's bitmap."""
+    directory and dirty flags; for a whole-table tier, presence and dirty bytes per row plus each counting
+    thread's bitmap."""
     tier = DRAMTier(ROW, capacity, policy, num_rows=100)
     if capacity >= 100:
-        tier.directory.marks()  # what a resident lookup allocates
-    assert tier.metadata_bytes == cache_metadata_bytes(capacity, 100, policy)
+        tier.directory.marks(2)  # what a resident lookup on two threads allocates
+    assert tier.metadata_bytes == cache_metadata_bytes(capacity, 100, policy, count_threads=2)
 
 
 def test_zeros_init_reads_never_written_rows_as_zeros() -> None:

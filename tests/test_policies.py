@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from embstore.kernels import kernel_threads
 from embstore.direct_directory import DirectDirectory
 from embstore.hash_index import mix64
 from embstore.policies import (M_BMIN, SKETCH_MAX, SKETCH_SAMPLE_PER_SLOT, SKETCH_WIDTH_PER_SLOT, CacheDirectory,
@@ -413,32 +415,38 @@ def test_direct_directory_never_evicts() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 3000), st.lists(st.integers(0, 10**6), min_size=0, max_size=400), st.integers(0, 3))
-def test_count_resident_counts_distinct_keys(capacity: int, raw: list[int], repeat: int) -> None:
-    """Both ways of clearing the bitmap afterwards (few keys: per key; many: whole) leave it zero,
-    so the next call counts from scratch; -1 as soon as one key is absent."""
+@given(st.integers(1, 3000), st.lists(st.integers(0, 10**6), min_size=0, max_size=400), st.integers(0, 3),
+       st.sampled_from([1, 2]))
+def test_count_resident_counts_distinct_keys(capacity: int, raw: list[int], repeat: int, threads: int) -> None:
+    """Both ways of clearing the bitmaps afterwards (few keys: per key; many: whole) leave them zero,
+    so the next call counts from scratch; -1 as soon as one key is absent. With two threads each
+    marks half the keys in its own bitmap, and a key in both halves still counts once."""
     d = DirectDirectory(capacity)
     keys = np.array([k % capacity for k in raw] * (repeat + 1), np.int64)
-    assert d.count_resident(keys) == (-1 if len(keys) else 0)
-    d.access(np.arange(capacity, dtype=np.int64))
-    for _ in range(2):
-        assert d.count_resident(keys) == len(np.unique(keys))
-        assert not d._bits.any()
-    d.remove(keys[:1])
-    assert d.count_resident(keys) == (-1 if len(keys) else 0) and not d._bits.any()
+    with kernel_threads(1 << 62 if threads > 1 else 0) as n:
+        assert n == min(threads, numba.get_num_threads())
+        assert d.count_resident(keys, n) == (-1 if len(keys) else 0)
+        d.access(np.arange(capacity, dtype=np.int64))
+        for _ in range(2):
+            assert d.count_resident(keys, n) == len(np.unique(keys))
+            assert not d._bits.any()
+        d.remove(keys[:1])
+        assert d.count_resident(keys, n) == (-1 if len(keys) else 0) and not d._bits.any()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bad", [-1, -(2**40), 10, 2**40])
-def test_count_resident_refuses_keys_outside_the_table(bad: int) -> None:
+def test_count_resident_refuses_keys_outside_the_table(bad: int, threads: int) -> None:
     """The count is the resident fast path's only pass over unvalidated ids: an id outside the table
     must give -1 (the caller then raises), never a read outside the presence arrays, and leave the
-    bitmap clear."""
+    bitmaps clear."""
     d = DirectDirectory(10)
     d.access(np.arange(10, dtype=np.int64))
     keys = np.array([1, 2, bad, 3, 4, 4], np.int64)
-    assert d.count_resident(keys) == -1
-    assert not d._bits.any()
-    assert d.count_resident(np.array([1, 2, 2, 9], np.int64)) == 3
+    with kernel_threads(1 << 62 if threads > 1 else 0) as n:
+        assert d.count_resident(keys, n) == -1
+        assert not d._bits.any()
+        assert d.count_resident(np.array([1, 2, 2, 9], np.int64), n) == 3
 
 
 @given(st.integers(0, 2**63 - 1))

@@ -798,5 +798,6 @@ def test_disk_and_directory_kernels_release_the_gil() -> None:
     from embstore.tiers import io_engine
 
     kernels = [io_engine._uring_kernel, io_engine._pio_kernel, policies._access_kernel, policies._lookup_kernel,
-               policies._remove_kernel, direct_directory._count_resident]
+               policies._remove_kernel, direct_directory._count_resident_serial,
+               direct_directory._count_resident_parallel]
     assert [k.py_func.__name__ for k in kernels if not k.targetoptions.get("nogil")] == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numba
 import numpy as np
 
 from embstore.arrays import Ids, Mask, RowBytes, aligned_zeros, as_ids, check_id_range
@@ -30,15 +31,18 @@ from embstore.policies import CacheDirectory, directory_bytes
 from embstore.tiers.base import Tier
 
 
-def cache_metadata_bytes(capacity_rows: int, num_rows: int, policy: PolicySpec | str = "lru") -> int:
+def cache_metadata_bytes(capacity_rows: int, num_rows: int, policy: PolicySpec | str = "lru",
+                         count_threads: int | None = None) -> int:
     """DRAM a cache tier holds beside its slab: its directory and its dirty flags (a byte per slot).
 
     A tier whose capacity covers the table is direct-mapped: a presence byte per
-    row, plus a bit per row of distinct-count scratch once resident lookups
-    run. What ``tune`` sets aside from a DRAM budget.
+    row, plus a bit per row per thread of distinct-count scratch once resident
+    lookups run. What ``tune`` sets aside from a DRAM budget.
     """
     if capacity_rows >= num_rows:
-        return 2 * num_rows + 8 * ((num_rows + 63) // 64)
+        if count_threads is None:  # the count runs on numba's threads (embstore.kernels.threads_for)
+            count_threads = numba.get_num_threads()
+        return 2 * num_rows + count_threads * 8 * ((num_rows + 63) // 64)
     return directory_bytes(capacity_rows, policy) + capacity_rows
 
 
