@@ -126,7 +126,7 @@ def _load_lines(bits):
     clear between calls. A call with many keys marks nearly every line, and by then the bitmap has
     gone cold (torch's pooling streams rows through the caches between calls); one sequential pass
     brings it back at the memory's streaming rate instead of a random miss per line. In
-    ``bench_dram``'s flow: a Zipf count 131-186 -> 11 + 80 us a table (AMD Zen 5, session 26)."""
+    ``bench_dram``'s flow: a Zipf count 131-186 -> 90-125 us a table (AMD Zen 5, session 26)."""
     acc = np.uint64(0)
     for w in range(0, bits.shape[0], 8):
         acc |= bits[w]
