@@ -48,8 +48,9 @@ class DirectDirectory:
         Keys outside ``[0, capacity)`` also give -1, so a caller may pass ids it
         has not range-checked and validate them only on the slow path. With
         ``threads`` > 1 (numba set to as many, ``embstore.kernels.kernel_threads``)
-        each thread marks a share of the keys in a bitmap of its own: 1.11-1.15
-        -> 0.81-0.95 ms for 8 x 82k ids on two cores (BENCHMARKS.md, session 6).
+        each thread marks a share of the keys in a bitmap of its own: in the
+        flow of ``bench_dram`` (torch pooling between counts) 4-7% faster pooled
+        calls than one thread on two cores (BENCHMARKS.md, sessions 6 and 26).
         """
         marks = self.marks(threads)
         if threads == 1:

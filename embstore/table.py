@@ -520,6 +520,10 @@ def _increasing(ids: Ids) -> bool:
     return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
 
 
+_TORCH_BAG_MODES = {"sum": 0, "mean": 1}
+"""``torch.embedding_bag``'s mode codes (ATen's EmbeddingBagMode)."""
+
+
 def _torch_pool(slab: np.ndarray, rows: np.ndarray, offsets: np.ndarray, mode: str) -> np.ndarray:
     """Pool bags straight out of a resident float32 slab with torch's embedding_bag (fbgemm kernels).
 
@@ -534,6 +538,3 @@ def _torch_pool(slab: np.ndarray, rows: np.ndarray, offsets: np.ndarray, mode: s
                               False, _TORCH_BAG_MODES[mode], False, None, True)[0]
     return out.numpy()
 
-
-_TORCH_BAG_MODES = {"sum": 0, "mean": 1}
-"""``torch.embedding_bag``'s mode codes (ATen's EmbeddingBagMode)."""
