@@ -537,4 +537,3 @@ def _torch_pool(slab: np.ndarray, rows: np.ndarray, offsets: np.ndarray, mode: s
     out = torch.embedding_bag(torch.from_numpy(slab), torch.from_numpy(rows), torch.from_numpy(offsets),
                               False, _TORCH_BAG_MODES[mode], False, None, True)[0]
     return out.numpy()
-
